@@ -1,0 +1,86 @@
+"""Checkpoint files: one `.pth` holding the weights, the model config and metadata.
+
+    {"format": FORMAT, "config": ModelArgs.to_dict(), "state_dict": {...}, "metadata": {...}}
+
+A packed-sparse checkpoint is the same file in which each pruned linear `<name>.weight` is replaced
+by `<name>.values` + `<name>.mask`, and `metadata["sparsity"]` says how (see sparse/ and prune/).
+A plain GPT-Fast state dict (`model.pth` with a `config.json` beside it) loads too.
+
+Files are written to a temporary name in the same folder and renamed, so an interrupted write
+never leaves a half-written checkpoint behind.
+"""
+import json
+import os
+import pickle
+import tempfile
+import zipfile
+from pathlib import Path
+
+import torch
+
+from model import ModelArgs
+
+FORMAT = "sparsedecoding-checkpoint-v1"
+
+
+class CheckpointError(Exception):
+    """A checkpoint that cannot be used; the message names the file and the problem."""
+
+
+def atomic_write(path, write_fn):
+    """Call write_fn(tmp_path), then rename tmp_path to path; remove the temp file on any failure."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        write_fn(tmp)
+        os.replace(tmp, path)
+    except BaseException:  # KeyboardInterrupt included: never leave the temp file behind
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def save_checkpoint(path, state_dict: dict, config: ModelArgs, metadata: dict | None = None):
+    payload = {"format": FORMAT, "config": config.to_dict(), "state_dict": state_dict, "metadata": metadata or {}}
+    atomic_write(path, lambda tmp: torch.save(payload, tmp))
+    config_path = Path(path).with_name("config.json")
+    atomic_write(config_path, lambda tmp: Path(tmp).write_text(json.dumps(config.to_dict(), indent=2) + "\n"))
+
+
+def load_checkpoint(path, mmap: bool = True):
+    """Returns (state_dict, ModelArgs, metadata). Raises CheckpointError with one clear line."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint not found: {path}")
+    try:
+        obj = torch.load(path, map_location="cpu", mmap=mmap, weights_only=True)
+    except (RuntimeError, pickle.UnpicklingError, zipfile.BadZipFile, EOFError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"checkpoint {path} is corrupt or not a torch checkpoint ({first})") from None
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"checkpoint {path} holds a {type(obj).__name__}, not a state dict")
+    if obj.get("format") == FORMAT:
+        try:
+            config = ModelArgs(**obj["config"])
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"checkpoint {path} has an invalid config: {e}") from None
+        return obj["state_dict"], config, obj.get("metadata", {})
+    # A plain state dict (GPT-Fast habit): config.json beside it, else the folder name.
+    return obj, config_for_plain_state_dict(path), {}
+
+
+def config_for_plain_state_dict(path: Path) -> ModelArgs:
+    config_path = path.with_name("config.json")
+    if config_path.is_file():
+        try:
+            return ModelArgs(**json.loads(config_path.read_text()))
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"{config_path} is not a valid model config: {e}") from None
+    try:
+        return ModelArgs.from_name(path.parent.name)
+    except ValueError:
+        raise CheckpointError(
+            f"{path} is a plain state dict with no config.json beside it, and its folder name "
+            f"'{path.parent.name}' names no known model") from None

@@ -1,0 +1,270 @@
+"""The transformer: Llama-2/3.x, Qwen3, SmolLM2 and llama2.c stories models in one flat file.
+
+GPT-Fast's calling convention: `setup_caches(max_batch_size, max_seq_length)`, then
+`forward(idx[B, T], input_pos[T]) -> logits[B, T, vocab]`.
+
+Layout choices that other modules rely on:
+- q/k/v are fused into `attention.wqkv` and gate/up into `feed_forward.w13`. Fusion only
+  concatenates *output rows*, so N:M groups along in_features stay intact for the sparse format.
+- RoPE rotates the two halves of each head (Hugging Face's `rotate_half` layout), so HF weights
+  load unchanged; GGUF and llama2.c weights (interleaved pairs) are permuted on import.
+- Every linear layer is a plain `nn.Linear`; `sparse.linear.swap_to_sparse` replaces them.
+"""
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+
+@dataclass
+class ModelArgs:
+    architecture: str = "llama"  # "llama" (Llama-2/3.x, SmolLM2, stories) or "qwen3"
+    block_size: int = 2048  # longest context the model was trained for
+    vocab_size: int = 32000
+    n_layer: int = 32
+    n_head: int = 32
+    dim: int = 4096
+    intermediate_size: Optional[int] = None
+    n_local_heads: int = -1  # key/value heads (GQA); -1 means n_head
+    head_dim: Optional[int] = None  # Qwen3 sets it independently of dim // n_head
+    rope_base: float = 10000.0
+    norm_eps: float = 1e-5
+    rope_scaling: Optional[dict] = None  # Llama-3.1 style: factor, low/high_freq_factor, original_max_position_embeddings
+    tie_embeddings: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
+
+    def __post_init__(self):
+        if self.architecture not in ("llama", "qwen3"):
+            raise ValueError(f"unknown architecture '{self.architecture}' (expected 'llama' or 'qwen3')")
+        if self.n_local_heads == -1:
+            self.n_local_heads = self.n_head
+        if self.intermediate_size is None:  # llama2.c / Llama-2 rule: 2/3 of 4·dim, rounded up to 256
+            hidden = int(2 * (4 * self.dim) / 3)
+            self.intermediate_size = 256 * ((hidden + 255) // 256)
+        if self.head_dim is None:
+            self.head_dim = self.dim // self.n_head
+
+    @classmethod
+    def from_name(cls, name: str) -> "ModelArgs":
+        """Exact name, else the longest config name contained in `name` (e.g. a folder name)."""
+        if name in transformer_configs:
+            return cls(**transformer_configs[name])
+        matches = [c for c in transformer_configs if c.lower() in str(name).lower()]
+        if not matches:
+            raise ValueError(f"unknown model name '{name}'; known: {', '.join(transformer_configs)}")
+        return cls(**transformer_configs[max(matches, key=len)])
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+_LLAMA31_ROPE = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
+_LLAMA32_ROPE = dict(_LLAMA31_ROPE, factor=32.0)
+_LLAMA3 = dict(vocab_size=128256, rope_base=500000.0, n_local_heads=8)
+_QWEN3 = dict(architecture="qwen3", vocab_size=151936, rope_base=1e6, norm_eps=1e-6, qk_norm=True,
+              head_dim=128, n_local_heads=8, block_size=40960)
+_SMOLLM2 = dict(vocab_size=49152, rope_base=100000.0, tie_embeddings=True, block_size=8192)
+
+transformer_configs = {
+    "Llama-2-7b": dict(block_size=4096, n_layer=32, n_head=32, dim=4096, intermediate_size=11008),
+    "Llama-2-13b": dict(block_size=4096, n_layer=40, n_head=40, dim=5120, intermediate_size=13824),
+    "Llama-2-70b": dict(block_size=4096, n_layer=80, n_head=64, n_local_heads=8, dim=8192, intermediate_size=28672),
+    "Meta-Llama-3-8B": dict(_LLAMA3, block_size=8192, n_layer=32, n_head=32, dim=4096, intermediate_size=14336),
+    "Meta-Llama-3-70B": dict(_LLAMA3, block_size=8192, n_layer=80, n_head=64, dim=8192, intermediate_size=28672),
+    "Llama-3.1-8B": dict(_LLAMA3, block_size=131072, n_layer=32, n_head=32, dim=4096, intermediate_size=14336,
+                         rope_scaling=_LLAMA31_ROPE),
+    "Llama-3.1-70B": dict(_LLAMA3, block_size=131072, n_layer=80, n_head=64, dim=8192, intermediate_size=28672,
+                          rope_scaling=_LLAMA31_ROPE),
+    "Llama-3.2-1B": dict(_LLAMA3, block_size=131072, n_layer=16, n_head=32, dim=2048, intermediate_size=8192,
+                         rope_scaling=_LLAMA32_ROPE, tie_embeddings=True),
+    "Llama-3.2-3B": dict(_LLAMA3, block_size=131072, n_layer=28, n_head=24, dim=3072, intermediate_size=8192,
+                         rope_scaling=_LLAMA32_ROPE, tie_embeddings=True),
+    "Llama-3.3-70B": dict(_LLAMA3, block_size=131072, n_layer=80, n_head=64, dim=8192, intermediate_size=28672,
+                          rope_scaling=_LLAMA31_ROPE),
+    "Qwen3-0.6B": dict(_QWEN3, n_layer=28, n_head=16, dim=1024, intermediate_size=3072, tie_embeddings=True),
+    "Qwen3-1.7B": dict(_QWEN3, n_layer=28, n_head=16, dim=2048, intermediate_size=6144, tie_embeddings=True),
+    "Qwen3-4B": dict(_QWEN3, n_layer=36, n_head=32, dim=2560, intermediate_size=9728, tie_embeddings=True),
+    "Qwen3-8B": dict(_QWEN3, n_layer=36, n_head=32, dim=4096, intermediate_size=12288),
+    "Qwen3-14B": dict(_QWEN3, n_layer=40, n_head=40, dim=5120, intermediate_size=17408),
+    "Qwen3-32B": dict(_QWEN3, n_layer=64, n_head=64, dim=5120, intermediate_size=25600),
+    "SmolLM2-135M": dict(_SMOLLM2, n_layer=30, n_head=9, n_local_heads=3, dim=576, intermediate_size=1536),
+    "SmolLM2-360M": dict(_SMOLLM2, n_layer=32, n_head=15, n_local_heads=5, dim=960, intermediate_size=2560),
+    "SmolLM2-1.7B": dict(_SMOLLM2, rope_base=130000.0, n_layer=24, n_head=32, dim=2048, intermediate_size=8192),
+    "stories260K": dict(block_size=512, vocab_size=512, n_layer=5, n_head=8, n_local_heads=4, dim=64,
+                        intermediate_size=172, tie_embeddings=True),
+    "stories15M": dict(block_size=256, n_layer=6, n_head=6, dim=288, intermediate_size=768, tie_embeddings=True),
+    "stories110M": dict(block_size=1024, n_layer=12, n_head=12, dim=768, intermediate_size=2048, tie_embeddings=True),
+}
+
+
+class KVCache(nn.Module):
+    def __init__(self, max_batch_size, max_seq_length, n_heads, head_dim, dtype):
+        super().__init__()
+        shape = (max_batch_size, n_heads, max_seq_length, head_dim)
+        self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype), persistent=False)
+
+    def update(self, input_pos: Tensor, k: Tensor, v: Tensor):
+        # k, v: [B, H, T, D]; writing in place keeps the buffers static for CUDA graphs.
+        B = k.shape[0]
+        self.k_cache[:B].index_copy_(2, input_pos, k)
+        self.v_cache[:B].index_copy_(2, input_pos, v)
+        return self.k_cache[:B], self.v_cache[:B]
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelArgs):
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layer))
+        self.norm = RMSNorm(config.dim, eps=config.norm_eps)
+        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.max_batch_size = -1
+        self.max_seq_length = -1
+
+    @classmethod
+    def from_name(cls, name: str) -> "Transformer":
+        return cls(ModelArgs.from_name(name))
+
+    def setup_caches(self, max_batch_size: int, max_seq_length: int):
+        if max_seq_length > self.config.block_size:
+            raise ValueError(f"max_seq_length {max_seq_length} exceeds the model's context of {self.config.block_size} tokens")
+        if self.max_seq_length >= max_seq_length and self.max_batch_size >= max_batch_size:
+            return
+        max_seq_length = min(self.config.block_size, (max_seq_length + 7) // 8 * 8)
+        self.max_seq_length, self.max_batch_size = max_seq_length, max_batch_size
+        c = self.config
+        # The embedding always stays dense, so it names the model's dtype and device.
+        dtype, device = self.tok_embeddings.weight.dtype, self.tok_embeddings.weight.device
+        for b in self.layers:
+            b.attention.kv_cache = KVCache(max_batch_size, max_seq_length, c.n_local_heads, c.head_dim, dtype).to(device)
+        cos, sin = precompute_rope(max_seq_length, c.head_dim, c.rope_base, c.rope_scaling)
+        self.register_buffer("rope_cos", cos.to(device), persistent=False)
+        self.register_buffer("rope_sin", sin.to(device), persistent=False)
+        causal = torch.tril(torch.ones(max_seq_length, max_seq_length, dtype=torch.bool, device=device))
+        self.register_buffer("causal_mask", causal, persistent=False)
+        # Left padding per batch row (a batch of prompts of different lengths): padded slots are
+        # never attended and positions count from each row's first real token.
+        self.register_buffer("left_pad", torch.zeros(max_batch_size, dtype=torch.long, device=device), persistent=False)
+
+    def set_left_padding(self, pad: Optional[Tensor]):
+        """pad[b] = number of pad tokens in front of row b's prompt (None: no padding)."""
+        self.left_pad.zero_()
+        if pad is not None:
+            self.left_pad[: pad.numel()].copy_(pad)
+
+    def forward(self, idx: Tensor, input_pos: Tensor) -> Tensor:
+        assert self.max_seq_length > 0, "call setup_caches() before forward()"
+        B = idx.shape[0]
+        pad = self.left_pad[:B, None]
+        positions = (input_pos[None, :] - pad).clamp(min=0)  # [B, T]
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [B, T, head_dim]
+        slots = torch.arange(self.max_seq_length, device=idx.device)
+        mask = self.causal_mask[input_pos][None, None] & (slots[None, :] >= pad)[:, None, None, :]  # [B,1,T,S]
+        x = self.tok_embeddings(idx)
+        for layer in self.layers:
+            x = layer(x, input_pos, cos, sin, mask)
+        return self.output(self.norm(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, config: ModelArgs):
+        super().__init__()
+        self.attention = Attention(config)
+        self.feed_forward = FeedForward(config)
+        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
+
+    def forward(self, x, input_pos, cos, sin, mask):
+        h = x + self.attention(self.attention_norm(x), input_pos, cos, sin, mask)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelArgs):
+        super().__init__()
+        self.n_head, self.n_local_heads, self.head_dim = config.n_head, config.n_local_heads, config.head_dim
+        qkv_rows = (config.n_head + 2 * config.n_local_heads) * config.head_dim
+        self.wqkv = nn.Linear(config.dim, qkv_rows, bias=False)
+        self.wo = nn.Linear(config.n_head * config.head_dim, config.dim, bias=False)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+        self.kv_cache: Optional[KVCache] = None
+
+    def forward(self, x, input_pos, cos, sin, mask):
+        B, T, _ = x.shape
+        kv_size = self.n_local_heads * self.head_dim
+        q, k, v = self.wqkv(x).split([self.n_head * self.head_dim, kv_size, kv_size], dim=-1)
+        q = q.view(B, T, self.n_head, self.head_dim)
+        k = k.view(B, T, self.n_local_heads, self.head_dim)
+        v = v.view(B, T, self.n_local_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
+        k, v = self.kv_cache.update(input_pos, k, v)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_head != self.n_local_heads)
+        return self.wo(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, config: ModelArgs):
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.w13 = nn.Linear(config.dim, 2 * config.intermediate_size, bias=False)  # [gate; up]
+        self.w2 = nn.Linear(config.intermediate_size, config.dim, bias=False)
+
+    def forward(self, x):
+        gate, up = self.w13(x).split(self.intermediate_size, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+def precompute_rope(seq_len: int, head_dim: int, base: float, scaling: Optional[dict] = None):
+    """cos/sin tables [seq_len, head_dim] (fp32) for the rotate-half layout."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if scaling is not None:
+        inv_freq = llama31_scale_frequencies(inv_freq, **scaling)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().float(), angles.sin().float()
+
+
+def llama31_scale_frequencies(inv_freq, factor, low_freq_factor, high_freq_factor,
+                              original_max_position_embeddings, **_ignored):
+    """Llama-3.1 RoPE scaling: long wavelengths slowed by `factor`, short ones kept, a smooth ramp between."""
+    wavelen = 2 * math.pi / inv_freq
+    low_freq_wavelen = original_max_position_embeddings / low_freq_factor
+    high_freq_wavelen = original_max_position_embeddings / high_freq_factor
+    smooth = (original_max_position_embeddings / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    ramped = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    return torch.where(wavelen < high_freq_wavelen, inv_freq,
+                       torch.where(wavelen > low_freq_wavelen, inv_freq / factor, ramped))
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    # x: [B, T, H, D]; cos/sin: [B, T, D]. Computed in fp32 and cast back, like the reference models.
+    half = x.shape[-1] // 2
+    xf = x.float()
+    rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
+    return (xf * cos[:, :, None] + rotated * sin[:, :, None]).type_as(x)
