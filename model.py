@@ -212,7 +212,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
-        k, v = self.kv_cache.update(input_pos, k, v)
+        if self.kv_cache is not None:  # None: a teacher-forced pass over whole sequences (prune/ replays blocks this way)
+            k, v = self.kv_cache.update(input_pos, k, v)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_head != self.n_local_heads)
         return self.wo(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
 

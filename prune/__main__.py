@@ -1,0 +1,3 @@
+from prune.run import main
+
+main()

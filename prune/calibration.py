@@ -1,0 +1,236 @@
+"""Calibration data: which token sequences the pruned model is fitted on, and which positions count.
+
+Sources:
+- teacher-forced text (the C4 baseline of SparseGPT and Wanda): windows of L tokens cut from a
+  local jsonl/txt corpus, or from a C4 shard on the hub when online. Every position counts.
+- decoding-aware (the paper's method): the dense model generates continuations of a prompt set
+  with generate.generate(), in the model's chat template, and only the *decode-step* positions
+  count: positions prompt_len .. len(sequence) - 2, the tokens the KV-cached decode fed back. The
+  prompt is what the user wrote; what the sparse model must reproduce is the decode.
+- cross-model: the same, but the generations come from another checkpoint with the same
+  tokenizer (the generator model is passed in; nothing here depends on which model it is).
+
+Replay: a causal model run teacher-forced over prompt + generation computes, at every position,
+the same layer inputs the KV-cached decode computed when it fed that token (attention sees the
+same prefix either way). So the layer-by-layer protocol of SparseGPT/Wanda runs unchanged on the
+replayed sequences, with the `counted` mask selecting which positions enter the statistics.
+
+InputStatistics accumulates, per linear-layer input, H = 2 X X^T / n over the counted positions;
+SparseGPT uses H, Wanda its diagonal (||X_j||^2 = n/2 · H_jj), so every backend prunes from the
+same calibration pass.
+"""
+import gzip
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor
+from tqdm import tqdm
+
+C4_SHARD = ("allenai/c4", "en/c4-train.00000-of-01024.json.gz")
+PROMPT_FIELDS = ("prompt", "input", "text")
+
+
+class CalibrationError(Exception):
+    """Calibration data that cannot be produced; the message says what is missing."""
+
+
+@dataclass
+class CalibrationSet:
+    sequences: list  # 1-D LongTensors of token ids
+    counted: list  # 1-D bool tensors, one per sequence: positions whose layer inputs enter the statistics
+    info: dict = field(default_factory=dict)  # source description, stored in the checkpoint's metadata
+
+    @property
+    def counted_tokens(self) -> int:
+        return sum(int(c.sum()) for c in self.counted)
+
+    def padded_batches(self, max_tokens: int):
+        """(tokens [B, T], counted [B, T]) batches of similar-length sequences, right-padded, each
+        at most max_tokens in B·T (one sequence at least). Right padding is harmless under causal
+        attention: real tokens never see the pad after them, and pad positions never count."""
+        order = sorted(range(len(self.sequences)), key=lambda i: len(self.sequences[i]))
+        batches, group = [], []
+        for i in order:
+            if group and (len(group) + 1) * len(self.sequences[i]) > max_tokens:
+                batches.append(self._pad(group))
+                group = []
+            group.append(i)
+        if group:
+            batches.append(self._pad(group))
+        return batches
+
+    def _pad(self, indices):
+        T = max(len(self.sequences[i]) for i in indices)
+        tokens = torch.zeros(len(indices), T, dtype=torch.long)
+        counted = torch.zeros(len(indices), T, dtype=torch.bool)
+        for row, i in enumerate(indices):
+            n = len(self.sequences[i])
+            tokens[row, :n], counted[row, :n] = self.sequences[i], self.counted[i]
+        return tokens, counted
+
+
+class InputStatistics:
+    """Running H = 2/n · Σ x xᵀ over the counted positions of one linear layer's input."""
+
+    def __init__(self, n_features: int, device=None, dtype=torch.float32):
+        self.hessian = torch.zeros(n_features, n_features, device=device, dtype=dtype)
+        self.n_tokens = 0
+
+    def add(self, x: Tensor, counted: Tensor):
+        x = x[counted].to(self.hessian.dtype)  # [t, in]: only the positions that count
+        if x.shape[0] == 0:
+            return
+        # Rescale the running mean before adding, so H never holds a huge unnormalized sum.
+        self.hessian *= self.n_tokens / (self.n_tokens + x.shape[0])
+        self.n_tokens += x.shape[0]
+        x = x * math.sqrt(2 / self.n_tokens)
+        self.hessian.addmm_(x.T, x)
+
+    @property
+    def squared_norms(self) -> Tensor:
+        """Σ over counted tokens of x_j², per input feature (Wanda's ||X_j||²)."""
+        return torch.diagonal(self.hessian) * (self.n_tokens / 2)
+
+
+# ---------------------------------------------------------------------------- reading files
+
+def _open_text(path: Path):
+    return gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else open(path, encoding="utf-8")
+
+
+def _is_jsonl(path: Path) -> bool:
+    return ".jsonl" in path.suffixes or path.name.endswith(".json.gz")
+
+
+def _read_jsonl_field(path: Path, fields) -> list:
+    texts = []
+    with _open_text(path) as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise CalibrationError(f"{path}:{line_no} is not valid JSON ({e.msg})") from None
+            text = next((record[k] for k in fields if isinstance(record.get(k), str)), None)
+            if text is None:
+                raise CalibrationError(f"{path}:{line_no} has none of the fields {', '.join(fields)}")
+            texts.append(text)
+    return texts
+
+
+def read_prompts(path) -> list:
+    """Prompts from a jsonl(.gz) file (field prompt, input or text) or a text file (one per line)."""
+    path = Path(path)
+    if not path.is_file():
+        raise CalibrationError(f"prompt file not found: {path}")
+    if _is_jsonl(path):
+        prompts = _read_jsonl_field(path, PROMPT_FIELDS)
+    else:
+        with _open_text(path) as f:
+            prompts = [line.strip() for line in f if line.strip()]
+    if not prompts:
+        raise CalibrationError(f"no prompts in {path}")
+    return prompts
+
+
+def read_documents(path) -> list:
+    """Documents from a jsonl(.gz) file (field text) or a plain text file (one document)."""
+    path = Path(path)
+    if not path.is_file():
+        raise CalibrationError(f"text file not found: {path}")
+    if _is_jsonl(path):
+        return _read_jsonl_field(path, ("text",))
+    with _open_text(path) as f:
+        return [f.read()]
+
+
+def download_c4_shard() -> Path:
+    """The first C4 train shard from the hub (cached by huggingface_hub); a clear error offline."""
+    try:
+        from huggingface_hub import hf_hub_download
+        return Path(hf_hub_download(C4_SHARD[0], C4_SHARD[1], repo_type="dataset"))
+    except Exception as e:  # offline, no huggingface_hub, gated: all mean "use a local file"
+        raise CalibrationError(f"cannot download {C4_SHARD[0]}/{C4_SHARD[1]} ({type(e).__name__}); "
+                               f"pass a local file with --text, e.g. c4_sample.jsonl") from None
+
+
+# ---------------------------------------------------------------------------- sources
+
+def text_windows(tokenizer, path, n_tokens: int, window_len: int, seed: int) -> CalibrationSet:
+    """ceil(n_tokens / window_len) non-overlapping windows of window_len tokens, drawn at random
+    (seeded) from the documents in shuffled order, every position counted."""
+    documents = read_documents(path)
+    n_windows = math.ceil(n_tokens / window_len)
+    generator = torch.Generator().manual_seed(seed)
+    stream = []
+    for i in torch.randperm(len(documents), generator=generator).tolist():
+        stream.extend(tokenizer.encode(documents[i], bos=True))
+        if len(stream) >= 2 * n_windows * window_len:  # twice the need leaves room to pick from
+            break
+    n_slots = len(stream) // window_len
+    if n_slots < n_windows:
+        raise CalibrationError(f"{path} holds {len(stream)} tokens, fewer than the {n_windows} x {window_len} "
+                               f"calibration windows asked for")
+    slots = torch.randperm(n_slots, generator=generator)[:n_windows].sort().values.tolist()
+    stream = torch.tensor(stream, dtype=torch.long)
+    sequences = [stream[s * window_len:(s + 1) * window_len] for s in slots]
+    counted = [torch.ones(window_len, dtype=torch.bool) for _ in sequences]
+    info = dict(kind="text", text_file=str(path), windows=n_windows, window_len=window_len, seed=seed)
+    return CalibrationSet(sequences, counted, info)
+
+
+def encode_prompt(tokenizer, text: str) -> list:
+    """The prompt as the model sees it in use: its chat template when it has one."""
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.encode_chat([{"role": "user", "content": text}], add_generation_prompt=True)
+    return tokenizer.encode(text, bos=True)
+
+
+def decode_calibration(model, tokenizer, prompts: list, n_tokens: int, max_new_tokens: int, *,
+                       temperature: float = 0.7, top_k=20, top_p=0.8, seed: int = 0, batch_size: int = 16,
+                       compile: bool = False) -> CalibrationSet:
+    """Generate with `model` until n_tokens decode steps are collected (cycling through the
+    prompts with fresh seeds), counting only decode-step positions. The last sequence is cut so
+    the count is exact. Greedy decoding repeats itself, so it stops after one pass over the prompts."""
+    from generate import generate  # imported here: text calibration must not need the generation stack
+    encoded = [torch.tensor(encode_prompt(tokenizer, p), dtype=torch.long) for p in prompts]
+    sequences, counted, total, n_batches = [], [], 0, 0
+    progress = tqdm(total=n_tokens, desc="decode calibration", unit="tok")
+    while total < n_tokens:
+        for start in range(0, len(encoded), batch_size):
+            batch = encoded[start:start + batch_size]
+            result = generate(model, batch, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                              eos_ids=tuple(getattr(tokenizer, "eos_ids", ())), seed=seed + n_batches,
+                              compile=compile)
+            n_batches += 1
+            for sequence, prompt_len in zip(result.sequences, result.prompt_lengths):
+                # Decode steps fed positions prompt_len .. len-2; the last token was never fed back.
+                n_decode = min(len(sequence) - 1 - prompt_len, n_tokens - total)
+                if n_decode <= 0:
+                    continue
+                sequence = sequence[:prompt_len + n_decode].cpu()
+                is_decode = torch.zeros(len(sequence), dtype=torch.bool)
+                is_decode[prompt_len:] = True
+                sequences.append(sequence)
+                counted.append(is_decode)
+                total += n_decode
+                progress.update(n_decode)
+                if total >= n_tokens:
+                    break
+            if total >= n_tokens:
+                break
+        if temperature == 0 and total < n_tokens:
+            tqdm.write(f"greedy decoding of {len(prompts)} prompts gave {total} decode tokens, fewer than "
+                       f"{n_tokens}; sampling (or more prompts) would give more")
+            break
+    progress.close()
+    if total == 0:
+        raise CalibrationError("generation produced no decode tokens (every prompt ended at once)")
+    sampling = dict(greedy=True) if temperature == 0 else dict(temperature=temperature, top_k=top_k, top_p=top_p)
+    info = dict(kind="decode", decode_tokens=total, sequences=len(sequences), prompts=len(prompts),
+                max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, batch_size=batch_size)
+    return CalibrationSet(sequences, counted, info)

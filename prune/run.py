@@ -1,0 +1,293 @@
+"""Layer-sequential pruning driver and the `python -m prune` command line.
+
+The model's weights stay on the CPU (memory-mapped from the checkpoint); one TransformerBlock at
+a time moves to the device, so peak device memory is one block plus the activations it works on:
+
+    x_0 = embeddings of the calibration sequences           (stored per padded batch)
+    for each block i:
+        for each linear of the block, in forward order (wqkv, wo, w13, w2):
+            replay the block over x_i, accumulating H = 2XXᵀ/n of that linear's input at the
+            counted positions; prune the linear in place
+        x_{i+1} = the pruned block's outputs on x_i
+
+Sequential collection (the default) calibrates every linear on the inputs the *pruned* model
+feeds it: block i sees the outputs of already-pruned blocks 0..i-1, and inside a block wo sees
+the pruned wqkv's attention output, w2 the pruned w13's activations. That is the protocol of
+SparseGPT and Wanda: each layer's solve corrects the error the layers before it introduced, at
+the cost of one block replay per linear. `one_shot=True` instead collects all four statistics
+from the dense block in one replay and feeds each block the dense model's activations (cheaper,
+and every layer is fitted to the dense model's own inputs).
+
+Packed output: N:M linears become `<name>.values` + `<name>.mask` (sparse.pack, validated);
+unstructured ones stay dense with their zeros. Everything else is copied from the source.
+"""
+import argparse
+import fnmatch
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from model import Transformer, precompute_rope
+from prune.calibration import (CalibrationError, CalibrationSet, InputStatistics, decode_calibration,
+                               download_c4_shard, read_prompts, text_windows)
+from prune.magnitude import magnitude_prune
+from prune.sparsegpt import sparsegpt_prune
+from prune.wanda import wanda_prune
+from sparse import pack, parse_pattern, validate
+
+BLOCK_LINEARS = ("attention.wqkv", "attention.wo", "feed_forward.w13", "feed_forward.w2")  # forward order
+
+# Each backend as (weight, statistics of its input, pattern) -> (pruned weight, keep mask).
+METHODS = {
+    "sparsegpt": lambda weight, stats, pattern: sparsegpt_prune(weight, stats.hessian, pattern),
+    "wanda": lambda weight, stats, pattern: wanda_prune(weight, stats.squared_norms, pattern),
+    "magnitude": lambda weight, stats, pattern: magnitude_prune(weight, pattern),
+}
+
+
+def load_model_on_cpu(checkpoint):
+    """(Transformer whose weights are the checkpoint's memory-mapped CPU tensors, config, metadata)."""
+    state_dict, config, metadata = load_checkpoint(checkpoint, mmap=True)
+    if "sparsity" in metadata:
+        raise CheckpointError(f"{checkpoint} is already pruned ({metadata['sparsity'].get('pattern')}); "
+                              f"prune the dense source checkpoint")
+    with torch.device("meta"):
+        model = Transformer(config)
+    missing, unexpected = model.load_state_dict(state_dict, strict=False, assign=True)
+    if missing or unexpected:
+        raise CheckpointError(f"{checkpoint} does not match its config: missing {missing[:3]}, "
+                              f"unexpected {unexpected[:3]}")
+    return model, config, metadata
+
+
+def selected_linears(n_layer: int, include, exclude) -> list:
+    """Names 'layers.{i}.{linear}' of the block linears matching an include glob and no exclude glob."""
+    names = [f"layers.{i}.{linear}" for i in range(n_layer) for linear in BLOCK_LINEARS]
+    return [n for n in names if any(fnmatch.fnmatchcase(n, g) for g in include)
+            and not any(fnmatch.fnmatchcase(n, g) for g in exclude)]
+
+
+class BlockReplay:
+    """Runs one TransformerBlock teacher-forced (no KV cache) over the stored calibration batches."""
+
+    def __init__(self, config, batches, device, activation_device):
+        self.counted = [counted.to(device) for _, counted in batches]
+        T = max(tokens.shape[1] for tokens, _ in batches)
+        cos, sin = precompute_rope(T, config.head_dim, config.rope_base, config.rope_scaling)
+        self.cos, self.sin = cos.to(device)[None], sin.to(device)[None]  # [1, T, head_dim]
+        self.causal = torch.tril(torch.ones(T, T, dtype=torch.bool, device=device))
+        self.device, self.activation_device = device, activation_device
+
+    @torch.no_grad()
+    def run(self, block, inputs, watch=None, keep_outputs=False):
+        """Replay `block` over `inputs` (one tensor [B, T, dim] per batch). `watch` maps a linear's
+        name to the InputStatistics its input is added to (counted positions only)."""
+        current = {}
+        hooks = [block.get_submodule(name).register_forward_pre_hook(
+                     lambda module, args, stats=stats: stats.add(args[0], current["counted"]))
+                 for name, stats in (watch or {}).items()]
+        outputs = []
+        try:
+            for x, counted in zip(inputs, self.counted):
+                current["counted"] = counted
+                T = x.shape[1]
+                y = block(x.to(self.device), None, self.cos[:, :T], self.sin[:, :T], self.causal[:T, :T])
+                if keep_outputs:
+                    outputs.append(y.to(self.activation_device))
+        finally:
+            for hook in hooks:
+                hook.remove()
+        return outputs
+
+
+def pick_activation_device(device, n_tokens, dim, dtype):
+    """Keep the calibration activations on the GPU when inputs + outputs fit in a quarter of its
+    free memory, else on the CPU (an 8B model with 1M tokens needs ~16 GB for the pair)."""
+    if device.type != "cuda":
+        return device
+    need = 2 * n_tokens * dim * torch.finfo(dtype).bits // 8
+    return device if need < torch.cuda.mem_get_info(device)[0] // 4 else torch.device("cpu")
+
+
+def prune_model(checkpoint, calibration: CalibrationSet, method: str, pattern: str, out, *, device="cpu",
+                one_shot=False, include=("layers.*",), exclude=(), batch_tokens=8192, seed=0):
+    """Prune the block linears of `checkpoint` on `calibration` and write the packed checkpoint to
+    `out` (atomically). Returns the metadata written."""
+    started = time.perf_counter()
+    device = torch.device(device)
+    sparsity = parse_pattern(pattern)
+    if method not in METHODS:
+        raise ValueError(f"unknown method '{method}' (expected {', '.join(METHODS)})")
+    model, config, source_metadata = load_model_on_cpu(checkpoint)
+    names = selected_linears(config.n_layer, include, exclude)
+    if not names:
+        raise ValueError(f"no block linear matches --include {list(include)} minus --exclude {list(exclude)}")
+    storage_dtype = model.tok_embeddings.weight.dtype
+    # CPU matmuls in bf16/fp16 are slow and coarse; the GPU runs the checkpoint's own dtype.
+    compute_dtype = torch.float32 if device.type == "cpu" else storage_dtype
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+    batches = calibration.padded_batches(batch_tokens)
+    activation_device = pick_activation_device(device, sum(t.numel() for t, _ in batches), config.dim, compute_dtype)
+    replay = BlockReplay(config, batches, device, activation_device)
+    with torch.no_grad():
+        inputs = [model.tok_embeddings(tokens).to(activation_device, compute_dtype) for tokens, _ in batches]
+    masks = {}
+    for i, block in enumerate(tqdm(model.layers, desc=f"{method} {pattern}", unit="block")):
+        block.to(device, compute_dtype)
+        block_names = [n.split(".", 2)[2] for n in names if n.startswith(f"layers.{i}.")]
+        stats = {name: InputStatistics(block.get_submodule(name).in_features, device) for name in block_names}
+        if one_shot:  # all statistics and the next block's (dense) inputs from one dense replay
+            next_inputs = replay.run(block, inputs, stats, keep_outputs=True)
+        for name in block_names:
+            if not one_shot:
+                replay.run(block, inputs, {name: stats[name]})
+            linear = block.get_submodule(name)
+            pruned, keep = METHODS[method](linear.weight.data, stats.pop(name), pattern)
+            linear.weight.data = pruned  # rebind, never write into the memory-mapped source tensor
+            masks[f"layers.{i}.{name}"] = keep.cpu()
+        if not one_shot:
+            next_inputs = replay.run(block, inputs, keep_outputs=True)
+        inputs = next_inputs
+        block.to("cpu", storage_dtype)
+    del inputs, next_inputs
+
+    state_dict = packed_state_dict(model, masks, pattern)
+    prune_seconds = time.perf_counter() - started
+    peak = peak_memory_bytes(device)
+    metadata = dict(source_metadata)
+    metadata.update(
+        sparsity=dict(pattern=pattern, format="dense-zeros" if isinstance(sparsity, float) else "bitmask-v1",
+                      layers=list(masks)),
+        method=method,
+        calibration=dict(calibration.info, counted_tokens=calibration.counted_tokens,
+                         sequences=len(calibration.sequences), total_tokens=sum(len(s) for s in calibration.sequences),
+                         collection="one-shot" if one_shot else "sequential"),
+        seed=seed,
+        source_checkpoint=str(Path(checkpoint).resolve()),
+        tokenizer_dir=source_metadata.get("tokenizer_dir") or str(Path(checkpoint).resolve().parent),
+        timing=dict(prune_seconds=round(prune_seconds, 2), peak_memory_bytes=peak, device=str(device)),
+    )
+    save_checkpoint(out, state_dict, config, metadata)
+    return metadata
+
+
+def packed_state_dict(model, masks, pattern):
+    """The model's state dict with every pruned N:M linear as `.values` + `.mask` (validated);
+    unstructured patterns keep the dense tensor with its zeros."""
+    state_dict = model.state_dict()
+    if isinstance(parse_pattern(pattern), float):
+        return state_dict
+    for name, keep in masks.items():
+        weight = state_dict.pop(f"{name}.weight")
+        values, mask = pack(weight, pattern, mask=keep)
+        validate(values, mask, pattern)
+        state_dict[f"{name}.values"], state_dict[f"{name}.mask"] = values, mask
+    return state_dict
+
+
+def peak_memory_bytes(device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+# ---------------------------------------------------------------------------- command line
+
+def build_calibration(args, config, device) -> CalibrationSet:
+    from tokenizer import find_tokenizer, load_tokenizer  # the generation stack, needed only here
+
+    tokenizer = load_tokenizer(find_tokenizer(args.checkpoint))
+    if args.calib == "text":
+        path = download_c4_shard() if args.text == "c4" else args.text
+        return text_windows(tokenizer, path, args.tokens, args.seq_len, args.seed)
+    from generate import load_model
+
+    prompts = read_prompts(args.prompts)
+    generator_path = args.generator or args.checkpoint
+    generator = load_model(generator_path, device, torch.float32 if device.type == "cpu" else torch.bfloat16)
+    if generator.config.vocab_size != config.vocab_size:
+        raise CalibrationError(f"--generator {args.generator} has a vocabulary of {generator.config.vocab_size} "
+                               f"tokens, the pruned model {config.vocab_size}: they must share a tokenizer")
+    temperature = 0.0 if args.greedy else args.temperature
+    calibration = decode_calibration(generator, tokenizer, prompts, args.tokens, args.max_new_tokens,
+                                     temperature=temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                                     batch_size=args.batch_size, compile=device.type == "cuda" and not args.no_compile)
+    calibration.info.update(prompt_file=str(args.prompts), generator=str(Path(generator_path).resolve()))
+    del generator
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return calibration
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m prune", description="Prune a checkpoint's block linears "
+                                "(SparseGPT, Wanda or magnitude) and write a packed sparse checkpoint.")
+    p.add_argument("--checkpoint", "--checkpoint_path", required=True, help="dense source checkpoint (.pth)")
+    p.add_argument("--method", choices=list(METHODS), default="sparsegpt")
+    p.add_argument("--pattern", default="2:4", help="N:M (2:4, 4:8, 8:16, 16:32) or unstructured percentage (50%%)")
+    p.add_argument("--calib", choices=["decode", "text"], default="decode",
+                   help="decode: decoding-aware (generated continuations, decode positions only); text: teacher-forced windows")
+    p.add_argument("--prompts", help="prompt file for --calib decode (jsonl field prompt/input/text, or one per line)")
+    p.add_argument("--text", help="corpus for --calib text (jsonl field text, or plain text); 'c4' downloads a C4 shard")
+    p.add_argument("--tokens", type=int, default=1_000_000,
+                   help="calibration budget: decode tokens (decode) or window tokens (text)")
+    p.add_argument("--seq_len", type=int, default=2048, help="window length for --calib text")
+    p.add_argument("--out", required=True, help="output checkpoint (.pth), written atomically")
+    p.add_argument("--generator", help="checkpoint that generates the calibration text (same tokenizer); default: the pruned model")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--max_new_tokens", type=int, default=512)
+    p.add_argument("--batch_size", type=int, default=16, help="prompts generated at once")
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--top_k", type=int, default=20)
+    p.add_argument("--top_p", type=float, default=0.8)
+    p.add_argument("--greedy", action="store_true", help="greedy decoding instead of sampling")
+    p.add_argument("--no_compile", action="store_true", help="do not torch.compile the generation on CUDA")
+    p.add_argument("--one-shot", "--one_shot", dest="one_shot", action="store_true",
+                   help="calibrate every layer on the dense model's activations (default: sequential, on the pruned ones)")
+    p.add_argument("--include", nargs="+", default=["layers.*"], help="globs of block linears to prune")
+    p.add_argument("--exclude", nargs="+", default=[], help="globs of block linears to keep dense")
+    p.add_argument("--batch_tokens", type=int, default=8192, help="tokens per replay batch")
+    args = p.parse_args(argv)
+    parse_pattern(args.pattern)  # raises ValueError naming the problem
+    if args.calib == "decode" and not args.prompts:
+        p.error("--calib decode needs --prompts FILE")
+    if args.calib == "text" and not args.text:
+        p.error("--calib text needs --text FILE (or --text c4)")
+    for flag in ("tokens", "seq_len", "max_new_tokens", "batch_size", "batch_tokens"):
+        if getattr(args, flag) <= 0:
+            p.error(f"--{flag} must be positive")
+    return args
+
+
+def main(argv=None):
+    started = time.perf_counter()
+    try:
+        args = parse_args(argv)
+        device = torch.device(args.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda but CUDA is not available")
+        _, config, _ = load_checkpoint(args.checkpoint)  # a bad checkpoint fails here, before any generation
+        calibration = build_calibration(args, config, device)
+        calibrated = time.perf_counter()
+        calibration.info["seconds"] = round(calibrated - started, 2)
+        metadata = prune_model(args.checkpoint, calibration, args.method, args.pattern, args.out, device=device,
+                               one_shot=args.one_shot, include=args.include, exclude=args.exclude,
+                               batch_tokens=args.batch_tokens, seed=args.seed)
+    except (CheckpointError, CalibrationError, ValueError, FileNotFoundError) as e:
+        sys.exit(f"prune: error: {e}")
+    except KeyboardInterrupt:
+        sys.exit("prune: interrupted; no output written")
+    wall = time.perf_counter() - started
+    timing = metadata["timing"]
+    print(f"wrote {args.out}: {len(metadata['sparsity']['layers'])} linears {args.method} {args.pattern}, "
+          f"{metadata['calibration']['counted_tokens']} calibration tokens; "
+          f"calibration {calibrated - started:.1f} s, pruning {timing['prune_seconds']:.1f} s, wall {wall:.1f} s, "
+          f"peak memory {timing['peak_memory_bytes'] / 2**30:.2f} GiB ({timing['device']})")
