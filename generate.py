@@ -1,0 +1,406 @@
+"""Text generation: load a checkpoint, prefill the prompt, decode one token at a time.
+
+    python generate.py --checkpoint checkpoints/SmolLM2-135M-Instruct/model.pth --prompt "Hello" --chat
+    python generate.py --checkpoint_path model.pth --prompt "Once upon a time" --compile --max_new_tokens 200
+
+The decode step is one small function so that, on CUDA, `torch.compile(mode="reduce-overhead")`
+captures the whole step (32 layers, sampling included) into one CUDA graph. Nothing in the loop
+waits for the GPU except the end-of-sequence check, which looks at the tokens every
+EOS_CHECK_INTERVAL steps instead of after each one.
+
+Sampling never synchronises either: instead of torch.multinomial we draw Exponential(1) noise E
+and take argmax(p / E). For independent E_i, E_i / p_i is exponential with rate p_i, and the
+smallest of such variables is i with probability p_i / sum(p): an exact categorical draw made of
+two elementwise ops and an argmax. The noise is drawn eagerly from an explicit torch.Generator
+and handed to the compiled step, so a fixed seed gives the same tokens compiled or not.
+
+`generate()` is also what prune/ calls for decoding-aware calibration: it returns each
+sequence's prompt length and generated ids, so the caller knows which positions were decode steps.
+"""
+import argparse
+import contextlib
+import itertools
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from checkpoint import CheckpointError, load_checkpoint
+from model import KVCache, Transformer
+
+EOS_CHECK_INTERVAL = 8  # decode steps between the host's looks at "has every row hit EOS?"
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def load_model(checkpoint_path, device="cuda", dtype=torch.bfloat16) -> Transformer:
+    """A ready-to-run Transformer, dense or packed-sparse depending on the checkpoint's metadata."""
+    state_dict, config, metadata = load_checkpoint(checkpoint_path)
+    with torch.device("meta"):  # no memory is touched until load_state_dict hands over the tensors
+        model = Transformer(config)
+    sparsity = metadata.get("sparsity") or {}
+    if sparsity.get("format") == "bitmask-v1":
+        import sparse  # only packed checkpoints need the kernels
+
+        sparse.swap_linears_for_state_dict(model, state_dict, sparsity["pattern"])
+    elif sparsity.get("format") not in (None, "dense-zeros"):
+        raise CheckpointError(f"checkpoint {checkpoint_path} has unknown sparsity format '{sparsity.get('format')}'")
+    if config.tie_embeddings:  # a tied checkpoint may store the shared matrix once
+        state_dict = dict(state_dict)
+        state_dict.setdefault("output.weight", state_dict.get("tok_embeddings.weight"))
+    expected, found = set(model.state_dict()), {k for k, v in state_dict.items() if v is not None}
+    if expected != found:
+        missing, unexpected = sorted(expected - found), sorted(found - expected)
+        raise CheckpointError(f"checkpoint {checkpoint_path} does not match its config: "
+                              f"missing {missing[:3]}{'...' if len(missing) > 3 else ''}, "
+                              f"unexpected {unexpected[:3]}{'...' if len(unexpected) > 3 else ''}")
+    model.load_state_dict(state_dict, assign=True)
+    if config.tie_embeddings:  # assign=True replaced the two parameters separately; share them again
+        model.output.weight = model.tok_embeddings.weight
+    # Module.to(dtype) casts floating-point tensors only, so sparse bitmasks stay int32.
+    return model.to(device=device, dtype=dtype).eval()
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling
+
+
+def logits_to_probs(logits: Tensor, temperature: float = 1.0, top_k: Optional[int] = None,
+                    top_p: Optional[float] = None) -> Tensor:
+    """logits [..., V] -> probabilities with everything outside the top-k / top-p set zeroed.
+
+    top-k keeps the k largest logits; top-p (nucleus) then keeps the smallest set of the most
+    likely remaining tokens whose probability mass reaches top_p. Both become one threshold on
+    the logits, so values tied with the threshold are all kept.
+    """
+    logits = logits.float() / temperature
+    if top_k is not None or top_p is not None:
+        k = logits.shape[-1] if top_k is None else min(top_k, logits.shape[-1])
+        ranked = torch.topk(logits, k).values  # descending
+        if top_p is not None:
+            ranked_probs = torch.softmax(ranked, dim=-1)  # renormalised over the top-k, as if top-k ran first
+            mass_before = ranked_probs.cumsum(dim=-1) - ranked_probs
+            ranked = ranked.masked_fill(mass_before >= top_p, float("inf"))  # mass already reached: drop
+        threshold = ranked.min(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(logits < threshold, float("-inf"))
+    return torch.softmax(logits, dim=-1)
+
+
+def sample(logits: Tensor, noise: Optional[Tensor], temperature: float = 0.0, top_k: Optional[int] = None,
+           top_p: Optional[float] = None) -> Tensor:
+    """logits [B, V] -> token ids [B]. Temperature 0 is greedy; otherwise `noise` is Exponential(1) [B, V]."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    probs = logits_to_probs(logits, temperature, top_k, top_p)
+    # The exponential race (see the module docstring); the clamp guards against a zero draw.
+    return torch.argmax(probs / noise.clamp_min(1e-20), dim=-1)
+
+
+def draw_noise(batch_size: int, vocab_size: int, temperature: float, generator, device) -> Optional[Tensor]:
+    if temperature == 0:
+        return None
+    return torch.empty(batch_size, vocab_size, device=device).exponential_(generator=generator)
+
+
+# ---------------------------------------------------------------------------------------------
+# Prefill and decode
+
+
+def prefill(model: Transformer, tokens: Tensor, input_pos: Tensor, noise: Optional[Tensor], **sampling) -> Tensor:
+    """Run the whole (left-padded) prompt [B, T] through the model; returns the first new token [B]."""
+    logits = model(tokens, input_pos)
+    return sample(logits[:, -1], noise, **sampling)
+
+
+def decode_one_token(model: Transformer, token: Tensor, input_pos: Tensor, noise: Optional[Tensor],
+                     **sampling) -> Tensor:
+    """token [B, 1] at position input_pos [1] -> next token [B]. This is what gets CUDA-graphed."""
+    logits = model(token, input_pos)
+    return sample(logits[:, -1], noise, **sampling)
+
+
+_compiled_functions = {}
+
+
+def compiled(fn, **options):
+    """torch.compile(fn, **options), made once per process and reused by every generate() call."""
+    key = (fn, tuple(sorted(options.items())))
+    if key not in _compiled_functions:
+        # With coordinate-descent tuning, Inductor turns batch-1 matmuls (GEMVs) into reductions it
+        # generates and tunes itself; cuBLAS GEMV is markedly slower on the 4096-wide shapes.
+        torch._inductor.config.coordinate_descent_tuning = True
+        torch._inductor.config.fx_graph_cache = True
+        _compiled_functions[key] = torch.compile(fn, **options)
+    return _compiled_functions[key]
+
+
+@dataclass
+class GenerationResult:
+    sequences: list  # per row: prompt + generated ids (1-D LongTensor, CPU), cut after the first EOS
+    prompt_lengths: list  # per row: tokens of prompt at the start of its sequence
+    new_tokens: list  # per row: generated ids only
+    prefill_s: float = 0.0  # prompt forward + first token
+    decode_s: float = 0.0  # the decode loop, wall clock, synchronised
+    decode_steps: int = 0  # one-token forwards run (a batch row each per step)
+    step_times_s: list = field(default_factory=list)  # each decode step's time (CUDA events on GPU)
+
+
+@torch.no_grad()
+def generate(model: Transformer, prompts: Sequence[Tensor], max_new_tokens: int, *, temperature: float = 0.0,
+             top_k: Optional[int] = None, top_p: Optional[float] = None, eos_ids=(), seed: Optional[int] = None,
+             generator: Optional[torch.Generator] = None, compile: bool = False, compile_prefill: bool = False,
+             progress: bool = False, pad_id: int = 0) -> GenerationResult:
+    """Continue each prompt (a list of 1-D token-id tensors, lengths may differ) by up to max_new_tokens.
+
+    Prompts are left-padded into one batch. The KV-cached step t >= 1 feeds generated token t-1
+    at position prompt_len + t - 1 of its row, so a row's decode-step positions are
+    prompt_len .. len(sequence) - 2. Generation stops when every row has produced one of
+    `eos_ids` (rows that finished early keep being fed tokens, but their output is cut) or
+    after max_new_tokens; it is also cut short where the model's context ends.
+    """
+    device = model.tok_embeddings.weight.device
+    prompts = [torch.as_tensor(p, dtype=torch.long).flatten() for p in prompts]
+    if not prompts or min(len(p) for p in prompts) == 0:
+        raise ValueError("generate() needs at least one prompt and no empty prompt")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    lengths = [len(p) for p in prompts]
+    batch_size, prompt_width, context = len(prompts), max(lengths), model.config.block_size
+    if prompt_width >= context:
+        raise ValueError(f"prompt of {prompt_width} tokens does not fit the model's context of {context} tokens")
+    max_new_tokens = min(max_new_tokens, context - prompt_width)
+
+    model.setup_caches(batch_size, prompt_width + max_new_tokens)
+    pads = [prompt_width - n for n in lengths]
+    tokens = torch.stack([torch.cat([torch.full((pad,), pad_id), p]) for p, pad in zip(prompts, pads)]).to(device)
+    model.set_left_padding(torch.tensor(pads, device=device) if any(pads) else None)
+
+    if generator is None and seed is not None:
+        generator = torch.Generator(device).manual_seed(seed)
+    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+    vocab_size = model.config.vocab_size
+    noise = lambda: draw_noise(batch_size, vocab_size, temperature, generator, device)  # noqa: E731
+    on_cuda = device.type == "cuda"
+    prefill_fn = compiled(prefill, fullgraph=True, dynamic=True) if compile_prefill else prefill
+    decode_fn = decode_one_token
+    if compile:
+        decode_fn = compiled(decode_one_token, mode="reduce-overhead", fullgraph=True, dynamic=False)
+    eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=device) if len(eos_ids) else None
+    out = torch.full((batch_size, max_new_tokens), pad_id, dtype=torch.long, device=device)
+
+    sync = torch.cuda.synchronize if on_cuda else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    out[:, 0] = prefill_fn(model, tokens, torch.arange(prompt_width, device=device), noise(), **sampling)
+    sync()
+    prefill_s = time.perf_counter() - start
+
+    # One-token attention over the cache is tiny; under compile, the math backend lets Inductor
+    # fuse it with its neighbours instead of calling a separate kernel.
+    attention = sdpa_kernel(SDPBackend.MATH) if compile else contextlib.nullcontext()
+    input_pos = torch.tensor([prompt_width], dtype=torch.long, device=device)
+    marks = [torch.cuda.Event(enable_timing=True) if on_cuda else time.perf_counter()]
+    if on_cuda:
+        marks[0].record()
+    start = time.perf_counter()
+    steps = 1
+    with attention:
+        for step in _progress(range(1, max_new_tokens), progress):
+            if eos is not None and step % EOS_CHECK_INTERVAL == 0 and _every_row_ended(out[:, :step], eos):
+                break
+            out[:, step] = decode_fn(model, out[:, step - 1:step], input_pos, noise(), **sampling)
+            input_pos += 1
+            steps += 1
+            if on_cuda:
+                marks.append(torch.cuda.Event(enable_timing=True))
+                marks[-1].record()
+            else:
+                marks.append(time.perf_counter())
+    sync()
+    decode_s = time.perf_counter() - start
+    if on_cuda:
+        step_times = [a.elapsed_time(b) / 1000 for a, b in itertools.pairwise(marks)]
+    else:
+        step_times = [b - a for a, b in itertools.pairwise(marks)]
+
+    generated = out[:, :steps].cpu()
+    new_tokens = [_cut_after_eos(row, eos_ids) for row in generated]
+    return GenerationResult(
+        sequences=[torch.cat([p, n]) for p, n in zip(prompts, new_tokens)], prompt_lengths=lengths,
+        new_tokens=new_tokens, prefill_s=prefill_s, decode_s=decode_s, decode_steps=steps - 1,
+        step_times_s=step_times)
+
+
+def _progress(steps, show: bool):
+    if not show:
+        return steps
+    from tqdm import tqdm
+
+    return tqdm(steps, desc="decoding", unit="tok")
+
+
+def _every_row_ended(tokens: Tensor, eos: Tensor) -> bool:
+    return bool(torch.isin(tokens, eos).any(dim=1).all())  # the loop's only host sync
+
+
+def _cut_after_eos(row: Tensor, eos_ids) -> Tensor:
+    hits = torch.isin(row, torch.tensor(sorted(eos_ids), dtype=row.dtype)).nonzero() if len(eos_ids) else []
+    return row[: int(hits[0]) + 1] if len(hits) else row
+
+
+# ---------------------------------------------------------------------------------------------
+# What a decode step costs
+
+
+def bytes_read_per_step(model: Transformer, batch_size: int) -> dict:
+    """Bytes one decode step reads from memory, by kind.
+
+    weights: every linear (dense weight, or sparse values + masks), norms and the lm_head in
+    full, but only the embedding rows looked up. kv_cache: the KV cache for `batch_size` rows
+    over the *whole* allocated length, because the masked SDPA scores every slot and lets the
+    mask zero the future ones (like GPT-Fast).
+    """
+    weights = batch_size * model.tok_embeddings.weight[0].nbytes
+    kv_cache, seen = 0, set()
+    for module in model.modules():
+        if isinstance(module, KVCache):
+            kv_cache += module.k_cache[:batch_size].nbytes + module.v_cache[:batch_size].nbytes
+        # The model's own buffers are RoPE / mask tables (a row of each per step). A tied lm_head
+        # is counted in full under model.output, the embedding module itself is skipped.
+        elif module is not model and module is not model.tok_embeddings:
+            for t in itertools.chain(module.parameters(recurse=False), module.buffers(recurse=False)):
+                if id(t) not in seen:
+                    seen.add(id(t))
+                    weights += t.nbytes
+    return {"weights": weights, "kv_cache": kv_cache, "total": weights + kv_cache}
+
+
+def state_dict_bytes(model: Transformer) -> int:
+    """Size of the weights as a checkpoint stores them (shared tensors once)."""
+    unique = {t.data_ptr(): t.nbytes for t in model.state_dict().values()}
+    return sum(unique.values())
+
+
+def peak_memory_bytes(device) -> int:
+    if torch.device(device).type == "cuda":
+        return torch.cuda.max_memory_allocated()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:
+        run(args)
+    except (CheckpointError, ValueError, OSError, RuntimeError) as e:
+        message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="Generate text with a dense or N:M-sparse checkpoint.")
+    p.add_argument("--checkpoint", "--checkpoint_path", dest="checkpoint", type=Path, required=True)
+    p.add_argument("--tokenizer", type=Path, help="tokenizer file or folder (default: found beside the checkpoint)")
+    p.add_argument("--prompt", default="Hello, my name is")
+    p.add_argument("--prompts_file", type=Path, help="one prompt per line; generated together as one batch")
+    p.add_argument("--max_new_tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    p.add_argument("--top_k", type=int, default=200)
+    p.add_argument("--top_p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--batch_size", type=int, default=1, help="repeat --prompt this many times")
+    p.add_argument("--num_samples", type=int, default=1)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--interactive", action="store_true", help="multi-turn chat in the terminal")
+    p.add_argument("--compile", action="store_true", help="CUDA-graph the decode step (torch.compile)")
+    p.add_argument("--compile_prefill", action="store_true", help="also compile the prefill (dynamic shapes)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
+                   help="default: bfloat16 on CUDA, float32 on CPU")
+    return p.parse_args(argv)
+
+
+def run(args):
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for but no CUDA device is available")
+    dtype = getattr(torch, args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))
+    start = time.perf_counter()
+    model = load_model(args.checkpoint, args.device, dtype)
+    from tokenizer import find_tokenizer, load_tokenizer  # after the checkpoint: its errors come first
+
+    tokenizer = load_tokenizer(args.tokenizer or find_tokenizer(args.checkpoint))
+    print(f"Loaded {args.checkpoint} on {args.device} ({dtype}) in {time.perf_counter() - start:.1f} s", flush=True)
+    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, eos_ids=tokenizer.eos_ids,
+                    seed=args.seed, compile=args.compile, compile_prefill=args.compile_prefill)
+    if args.interactive:
+        return chat_loop(model, tokenizer, args.max_new_tokens, sampling)
+
+    def encode(text):
+        if args.chat:
+            return tokenizer.encode_chat([{"role": "user", "content": text}])
+        return tokenizer.encode(text, bos=True)
+
+    texts = args.prompts_file.read_text().splitlines() if args.prompts_file else [args.prompt] * args.batch_size
+    prompts = [torch.tensor(encode(t)) for t in texts if t.strip()]
+    for i in range(args.num_samples):
+        result = generate(model, prompts, args.max_new_tokens, progress=not args.compile, **sampling)
+        for row in result.new_tokens:
+            print(tokenizer.decode(row.tolist()), flush=True)
+            print("-" * 40)
+        compiled_note = " (includes compilation)" if args.compile and i == 0 else ""
+        print(f"sample {i + 1}{compiled_note}:")
+        print_stats(model, result, args.device)
+
+
+def chat_loop(model, tokenizer, max_new_tokens, sampling):
+    """A multi-turn chat: every turn re-encodes the whole conversation with the chat template."""
+    if tokenizer.chat_template is None:
+        raise ValueError("--interactive needs a model whose tokenizer has a chat template")
+    messages = []
+    while True:
+        try:
+            text = input("you> ").strip()
+        except EOFError:
+            return
+        if not text:
+            continue
+        messages.append({"role": "user", "content": text})
+        prompt = torch.tensor(tokenizer.encode_chat(messages))
+        result = generate(model, [prompt], max_new_tokens, **sampling)
+        reply_ids = [t for t in result.new_tokens[0].tolist() if t not in tokenizer.eos_ids]
+        reply = tokenizer.decode(reply_ids)
+        print(f"assistant> {reply}")
+        print_stats(model, result, model.tok_embeddings.weight.device)
+        messages.append({"role": "assistant", "content": reply})
+
+
+def print_stats(model, result: GenerationResult, device):
+    rows, steps = len(result.prompt_lengths), result.decode_steps
+    step_bytes = bytes_read_per_step(model, rows)
+    if steps:
+        per_second = steps / result.decode_s
+        print(f"  decode: {steps} steps in {result.decode_s:.2f} s = {per_second:.1f} tok/s per sequence, "
+              f"{per_second * rows:.1f} tok/s over {rows} rows")
+        print(f"  bandwidth: {step_bytes['total'] / 1e9:.2f} GB read per step (weights {step_bytes['weights'] / 1e9:.2f}, "
+              f"KV cache {step_bytes['kv_cache'] / 1e9:.3f} over all {model.max_seq_length} slots, as the masked "
+              f"attention reads them) x {per_second:.1f} steps/s = {step_bytes['total'] * per_second / 1e9:.0f} GB/s")
+    print(f"  prefill: {max(result.prompt_lengths)} x {rows} tokens in {result.prefill_s:.3f} s")
+    print(f"  peak memory: {peak_memory_bytes(device) / 1e9:.2f} GB", flush=True)
+
+
+if __name__ == "__main__":
+    main()
