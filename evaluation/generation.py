@@ -1,0 +1,61 @@
+"""The model-facing glue every evaluation shares: load a checkpoint with its tokenizer, turn text
+prompts into greedy replies, and run a teacher-forced forward pass.
+
+Built on the engine's contracts: generate.load_model / generate.generate and tokenizer.py.
+"""
+from typing import Callable
+
+import torch
+
+from model import Transformer
+
+
+def load_model_and_tokenizer(checkpoint, device="cpu", dtype=torch.float32):
+    import generate  # imported here so the metric modules stay usable without the engine
+    from tokenizer import find_tokenizer, load_tokenizer
+
+    model = generate.load_model(checkpoint, device, dtype)
+    return model, load_tokenizer(find_tokenizer(checkpoint))
+
+
+def encode_prompt(tokenizer, text: str) -> list[int]:
+    """Chat models get their chat template (one user turn); base models the raw text after BOS."""
+    if tokenizer.chat_template:
+        return tokenizer.encode_chat([{"role": "user", "content": text}], add_generation_prompt=True)
+    return tokenizer.encode(text, bos=True)
+
+
+def greedy_token_ids(model: Transformer, prompt_ids: list[list[int]], max_new_tokens: int, eos_ids=(),
+                     batch_size: int = 8, progress: bool = True) -> list[list[int]]:
+    """Greedy generated ids (prompt excluded, cut after the first EOS) for each prompt."""
+    import generate
+
+    out = []
+    for start in range(0, len(prompt_ids), batch_size):
+        batch = [torch.tensor(ids, dtype=torch.long) for ids in prompt_ids[start:start + batch_size]]
+        result = generate.generate(model, batch, max_new_tokens, temperature=0.0, eos_ids=eos_ids, progress=progress)
+        out += [t.tolist() for t in result.new_tokens]
+    return out
+
+
+def make_generate_fn(model, tokenizer, max_new_tokens: int, batch_size: int = 8) -> Callable[[list[str]], list[str]]:
+    def generate_fn(prompts: list[str]) -> list[str]:
+        ids = [encode_prompt(tokenizer, p) for p in prompts]
+        new = greedy_token_ids(model, ids, max_new_tokens, tuple(tokenizer.eos_ids), batch_size)
+        return [tokenizer.decode([t for t in seq if t not in tokenizer.eos_ids]) for seq in new]
+    return generate_fn
+
+
+def load_generate_fn(checkpoint, device="cpu", max_new_tokens=512, batch_size=8):
+    model, tokenizer = load_model_and_tokenizer(checkpoint, device)
+    return make_generate_fn(model, tokenizer, max_new_tokens, batch_size)
+
+
+@torch.no_grad()  # not inference_mode: caches allocated here must stay usable by generate()
+def forward_logits(model: Transformer, idx: torch.Tensor) -> torch.Tensor:
+    """Teacher-forced logits [B, T, vocab] (fp32) for token ids idx [B, T], all positions at once."""
+    B, T = idx.shape
+    model.setup_caches(max(B, model.max_batch_size), max(T, model.max_seq_length))
+    model.set_left_padding(None)
+    device = model.tok_embeddings.weight.device
+    return model(idx.to(device), torch.arange(T, device=device)).float()
