@@ -38,7 +38,8 @@ from prune.calibration import (CalibrationError, CalibrationSet, InputStatistics
 from prune.magnitude import magnitude_prune
 from prune.sparsegpt import sparsegpt_prune
 from prune.wanda import wanda_prune
-from sparse import pack, parse_pattern, validate
+from sparse import is_unstructured, pack, parse_pattern, validate
+from sparse.format import packed_shapes
 
 BLOCK_LINEARS = ("attention.wqkv", "attention.wo", "feed_forward.w13", "feed_forward.w2")  # forward order
 
@@ -65,11 +66,22 @@ def load_model_on_cpu(checkpoint):
     return model, config, metadata
 
 
-def selected_linears(n_layer: int, include, exclude) -> list:
-    """Names 'layers.{i}.{linear}' of the block linears matching an include glob and no exclude glob."""
-    names = [f"layers.{i}.{linear}" for i in range(n_layer) for linear in BLOCK_LINEARS]
-    return [n for n in names if any(fnmatch.fnmatchcase(n, g) for g in include)
-            and not any(fnmatch.fnmatchcase(n, g) for g in exclude)]
+def selected_linears(model, pattern: str, include, exclude) -> list:
+    """Names 'layers.{i}.{linear}' of the block linears matching an include glob and no exclude
+    glob; raises ValueError if one of them cannot take the pattern."""
+    names = [f"layers.{i}.{linear}" for i in range(model.config.n_layer) for linear in BLOCK_LINEARS]
+    names = [n for n in names if any(fnmatch.fnmatchcase(n, g) for g in include)
+             and not any(fnmatch.fnmatchcase(n, g) for g in exclude)]
+    if not names:
+        raise ValueError(f"no block linear matches --include {list(include)} minus --exclude {list(exclude)}")
+    if not is_unstructured(pattern):
+        for name in names:
+            linear = model.get_submodule(name)
+            try:
+                packed_shapes(linear.in_features, linear.out_features, pattern)
+            except ValueError as e:
+                raise ValueError(f"{name} cannot be packed {pattern}: {e} (keep it dense with --exclude)") from None
+    return names
 
 
 class BlockReplay:
@@ -92,6 +104,9 @@ class BlockReplay:
                      lambda module, args, stats=stats: stats.add(args[0], current["counted"]))
                  for name, stats in (watch or {}).items()]
         outputs = []
+        # Teacher-forced attention over the whole sequence: a cache (left by a generate() on this
+        # model) would be written to and attended instead, so it is set aside for the replay.
+        cache, block.attention.kv_cache = block.attention.kv_cache, None
         try:
             for x, counted in zip(inputs, self.counted):
                 current["counted"] = counted
@@ -100,6 +115,7 @@ class BlockReplay:
                 if keep_outputs:
                     outputs.append(y.to(self.activation_device))
         finally:
+            block.attention.kv_cache = cache
             for hook in hooks:
                 hook.remove()
         return outputs
@@ -120,13 +136,10 @@ def prune_model(checkpoint, calibration: CalibrationSet, method: str, pattern: s
     `out` (atomically). Returns the metadata written."""
     started = time.perf_counter()
     device = torch.device(device)
-    sparsity = parse_pattern(pattern)
     if method not in METHODS:
         raise ValueError(f"unknown method '{method}' (expected {', '.join(METHODS)})")
     model, config, source_metadata = load_model_on_cpu(checkpoint)
-    names = selected_linears(config.n_layer, include, exclude)
-    if not names:
-        raise ValueError(f"no block linear matches --include {list(include)} minus --exclude {list(exclude)}")
+    names = selected_linears(model, pattern, include, exclude)
     storage_dtype = model.tok_embeddings.weight.dtype
     # CPU matmuls in bf16/fp16 are slow and coarse; the GPU runs the checkpoint's own dtype.
     compute_dtype = torch.float32 if device.type == "cpu" else storage_dtype
@@ -163,7 +176,7 @@ def prune_model(checkpoint, calibration: CalibrationSet, method: str, pattern: s
     peak = peak_memory_bytes(device)
     metadata = dict(source_metadata)
     metadata.update(
-        sparsity=dict(pattern=pattern, format="dense-zeros" if isinstance(sparsity, float) else "bitmask-v1",
+        sparsity=dict(pattern=pattern, format="dense-zeros" if is_unstructured(pattern) else "bitmask-v1",
                       layers=list(masks)),
         method=method,
         calibration=dict(calibration.info, counted_tokens=calibration.counted_tokens,
@@ -182,7 +195,7 @@ def packed_state_dict(model, masks, pattern):
     """The model's state dict with every pruned N:M linear as `.values` + `.mask` (validated);
     unstructured patterns keep the dense tensor with its zeros."""
     state_dict = model.state_dict()
-    if isinstance(parse_pattern(pattern), float):
+    if is_unstructured(pattern):
         return state_dict
     for name, keep in masks.items():
         weight = state_dict.pop(f"{name}.weight")
@@ -274,7 +287,10 @@ def main(argv=None):
         device = torch.device(args.device)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda but CUDA is not available")
-        _, config, _ = load_checkpoint(args.checkpoint)  # a bad checkpoint fails here, before any generation
+        # A bad checkpoint, pattern or selection fails here, before any generation.
+        model, config, _ = load_model_on_cpu(args.checkpoint)
+        selected_linears(model, args.pattern, args.include, args.exclude)
+        del model
         calibration = build_calibration(args, config, device)
         calibrated = time.perf_counter()
         calibration.info["seconds"] = round(calibrated - started, 2)

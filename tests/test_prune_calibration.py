@@ -1,0 +1,142 @@
+"""Calibration sources and statistics: text windows, prompt files, H accumulation, and the
+decoding-aware set checked against the layer inputs of a real KV-cached decode."""
+import json
+
+import pytest
+import torch
+
+from model import ModelArgs, Transformer
+from prune.calibration import (CalibrationError, CalibrationSet, InputStatistics, decode_calibration, read_prompts,
+                               text_windows)
+from prune.run import BlockReplay
+
+
+class ByteTokenizer:
+    """One token per UTF-8 byte (folded into a small vocabulary past BOS=1): enough to test what
+    calibration does with token ids."""
+    bos_id, eos_ids, chat_template = 1, set(), None
+
+    def encode(self, text, bos=False):
+        return ([self.bos_id] if bos else []) + [b % 90 + 2 for b in text.encode()]
+
+
+def test_text_windows_are_seeded_non_overlapping_and_all_counted(tmp_path):
+    corpus = tmp_path / "docs.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"document {i} " * 40}) + "\n" for i in range(30)))
+    calibration = text_windows(ByteTokenizer(), corpus, n_tokens=1000, window_len=128, seed=5)
+    assert len(calibration.sequences) == 8  # ceil(1000 / 128)
+    assert all(len(s) == 128 for s in calibration.sequences)
+    assert all(c.all() for c in calibration.counted) and calibration.counted_tokens == 8 * 128
+    again = text_windows(ByteTokenizer(), corpus, n_tokens=1000, window_len=128, seed=5)
+    other = text_windows(ByteTokenizer(), corpus, n_tokens=1000, window_len=128, seed=6)
+    assert all(torch.equal(a, b) for a, b in zip(calibration.sequences, again.sequences))
+    assert not all(torch.equal(a, b) for a, b in zip(calibration.sequences, other.sequences))
+    assert calibration.info["kind"] == "text"
+    with pytest.raises(CalibrationError, match="fewer than"):
+        text_windows(ByteTokenizer(), corpus, n_tokens=10**6, window_len=128, seed=0)
+
+
+def test_prompt_files(tmp_path):
+    jsonl = tmp_path / "p.jsonl"
+    jsonl.write_text('{"prompt": "a"}\n{"input": "b"}\n\n{"text": "c", "code": "x"}\n')
+    assert read_prompts(jsonl) == ["a", "b", "c"]
+    txt = tmp_path / "p.txt"
+    txt.write_text("first\n\nsecond\n")
+    assert read_prompts(txt) == ["first", "second"]
+    jsonl.write_text('{"prompt": "a"}\n{"question": "b"}\n')
+    with pytest.raises(CalibrationError, match=":2 has none of the fields"):
+        read_prompts(jsonl)
+    with pytest.raises(CalibrationError, match="not found"):
+        read_prompts(tmp_path / "missing.jsonl")
+
+
+def test_input_statistics_accumulate_only_counted_positions():
+    torch.manual_seed(0)
+    xs = [torch.randn(3, 7, 16) for _ in range(4)]
+    counted = [torch.rand(3, 7) < 0.6 for _ in range(4)]
+    stats = InputStatistics(16, dtype=torch.float64)
+    for x, c in zip(xs, counted):
+        stats.add(x, c)
+    X = torch.cat([x[c] for x, c in zip(xs, counted)]).double()  # [n, 16]
+    torch.testing.assert_close(stats.hessian, 2 * X.T @ X / X.shape[0])
+    torch.testing.assert_close(stats.squared_norms, (X * X).sum(0))
+    assert stats.n_tokens == X.shape[0]
+
+
+def test_padded_batches_respect_the_token_budget():
+    sequences = [torch.arange(n) for n in (5, 9, 3, 12, 7)]
+    calibration = CalibrationSet(sequences, [torch.ones(n, dtype=torch.bool) for n in (5, 9, 3, 12, 7)])
+    batches = calibration.padded_batches(max_tokens=20)
+    assert sum(int(c.sum()) for _, c in batches) == calibration.counted_tokens
+    assert all(t.numel() <= 20 or t.shape[0] == 1 for t, _ in batches)
+    rows = sorted(tuple(t[c].tolist()) for t, c in batches for t, c in zip(*[t, c]))
+    assert rows == sorted(tuple(s.tolist()) for s in sequences)
+
+
+HUGE_PROMPT_TOKEN, SPIKE = 7, 5  # the prompt token's embedding: one huge coordinate
+
+
+def tiny_model():
+    torch.manual_seed(0)
+    config = ModelArgs(block_size=128, vocab_size=96, n_layer=3, n_head=4, n_local_heads=2, dim=32,
+                       intermediate_size=64)
+    model = Transformer(config).eval()
+    with torch.no_grad():
+        # RMSNorm rescales every token to the same norm, so a huge embedding only dominates the
+        # layer inputs if it is concentrated: all of it in one coordinate, which then carries
+        # ~dim times its usual share of the statistics at the prompt's positions.
+        model.tok_embeddings.weight[HUGE_PROMPT_TOKEN] = 0
+        model.tok_embeddings.weight[HUGE_PROMPT_TOKEN, SPIKE] = 1000
+    return model
+
+
+def test_decode_statistics_match_a_kv_cached_decode_and_exclude_the_prompt():
+    """Hook every layer's wqkv input during generate()'s KV-cached decode steps (the reference),
+    then replay the calibration set teacher-forced: the H from decode positions must match, and
+    including the huge-norm prompt positions would not."""
+    generate = pytest.importorskip("generate")
+    model = tiny_model()
+    prompts = [[HUGE_PROMPT_TOKEN] * 40 + [3, 4], [HUGE_PROMPT_TOKEN] * 25 + [5]]  # different lengths: left padding
+    decode_stats = [InputStatistics(32, dtype=torch.float64) for _ in model.layers]
+    hooks = [layer.attention.wqkv.register_forward_pre_hook(
+                 lambda module, args, stats=stats: stats.add(args[0], torch.ones(args[0].shape[:2], dtype=torch.bool))
+                 if args[0].shape[1] == 1 else None)  # T == 1: a decode step (prefill feeds the whole prompt)
+             for layer, stats in zip(model.layers, decode_stats)]
+    tokenizer = ByteTokenizer()
+    tokenizer.encode = lambda text, bos=False: prompts[int(text)]
+    max_new_tokens = 12
+    calibration = decode_calibration(model, tokenizer, ["0", "1"], n_tokens=2 * (max_new_tokens - 1),
+                                     max_new_tokens=max_new_tokens, temperature=0.0, batch_size=2)
+    for hook in hooks:
+        hook.remove()
+    assert calibration.counted_tokens == 2 * (max_new_tokens - 1) == decode_stats[0].n_tokens
+    for sequence, counted, prompt in zip(calibration.sequences, calibration.counted, prompts):
+        assert torch.equal(sequence[:len(prompt)], torch.tensor(prompt))
+        assert not counted[:len(prompt)].any() and counted[len(prompt):].all()
+
+    batches = calibration.padded_batches(max_tokens=64)
+    replay = BlockReplay(model.config, batches, torch.device("cpu"), torch.device("cpu"))
+    all_positions = [(tokens, torch.ones_like(counted)) for tokens, counted in batches]
+    x = [model.tok_embeddings(tokens).detach() for tokens, _ in batches]
+    for layer, reference in zip(model.layers, decode_stats):
+        replayed = InputStatistics(32, dtype=torch.float64)
+        outputs = replay.run(layer, x, {"attention.wqkv": replayed}, keep_outputs=True)
+        scale = reference.hessian.abs().max()
+        torch.testing.assert_close(replayed.hessian / scale, reference.hessian / scale, rtol=0, atol=1e-4)
+        with_prompt = InputStatistics(32, dtype=torch.float64)
+        BlockReplay(model.config, all_positions, torch.device("cpu"), torch.device("cpu")).run(
+            layer, x, {"attention.wqkv": with_prompt})
+        assert with_prompt.hessian[SPIKE, SPIKE] > 5 * reference.hessian[SPIKE, SPIKE]  # the prompt would dominate
+        x = outputs
+
+
+def test_decode_budget_is_exact_and_cycles_prompts_with_sampling():
+    pytest.importorskip("generate")
+    model = tiny_model()
+    calibration = decode_calibration(model, ByteTokenizer(), ["ab", "cde"], n_tokens=50, max_new_tokens=8,
+                                     temperature=0.7, top_k=20, top_p=0.8, seed=1, batch_size=2)
+    assert calibration.counted_tokens == 50  # 7 decode steps per sequence: 8 sequences, the last one cut
+    assert len(calibration.sequences) == 8
+    assert calibration.info["kind"] == "decode" and calibration.info["decode_tokens"] == 50
+    first_round, second_round = calibration.sequences[:2], calibration.sequences[2:4]
+    assert not all(torch.equal(a, b) for a, b in zip(first_round, second_round))  # fresh seeds each round
