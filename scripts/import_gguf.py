@@ -1,0 +1,147 @@
+"""Read a llama-architecture GGUF file (llama.cpp's format) as Hugging Face-named tensors + tokenizer files.
+
+Used by convert_hf.py (`--gguf FILE`, `--embedded-smollm2`). Three things differ from a Hugging Face folder:
+- tensors may be quantized (Q4_1, Q8_0, ...): the `gguf` package dequantizes them to float32;
+- llama.cpp stores q/k rows of each head in interleaved-pair RoPE order, ours is rotate-half: we undo
+  its permutation (the same one llama2.c checkpoints need, see `interleaved_to_half`);
+- there is no tokenizer.json: we build one from the vocabulary, merges and token types with the
+  `tokenizers` package, and write a tokenizer_config.json that records the special tokens and the
+  GGUF's chat template (tokenizer.py reads which template applies from it).
+"""
+import json
+
+import numpy as np
+import torch
+
+from scripts.convert_hf import ConversionError, LazyTensors
+from model import ModelArgs
+
+GGUF_TO_HF_NAMES = {
+    "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+# llama.cpp token types (tokenizer.ggml.token_type)
+CONTROL, USER_DEFINED = 3, 4
+
+
+def interleaved_to_half(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Reorder q/k projection rows from interleaved RoPE pairs (x0,x1),(x2,x3).. to rotate-half
+    (x0,x2,..| x1,x3,..) per head, so our RoPE rotates the same pairs the original model did."""
+    head_dim = weight.shape[0] // n_heads
+    return weight.reshape(n_heads, head_dim // 2, 2, -1).transpose(1, 2).reshape(weight.shape)
+
+
+def read_gguf(path):
+    """(lazy HF-named tensors, ModelArgs, {tokenizer file name: bytes})."""
+    import gguf
+    if not path.is_file():
+        raise ConversionError(f"GGUF file not found: {path}")
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as e:  # the gguf package raises ValueError/struct errors/... on a bad file
+        raise ConversionError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e})") from None
+    fields = {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
+    config = model_args_from_gguf(fields, path, has_output=any(t.name == "output.weight" for t in reader.tensors))
+    tensors = {}
+    for t in reader.tensors:
+        tensors[hf_name(t.name)] = lambda t=t: dequantized(t, config)
+    return tensors, config, tokenizer_files_from_gguf(fields, path)
+
+
+def model_args_from_gguf(fields: dict, path, has_output: bool) -> ModelArgs:
+    arch = fields.get("general.architecture")
+    if arch != "llama":
+        raise ConversionError(f"{path}: unsupported GGUF architecture '{arch}' (supported: llama)")
+    if f"{arch}.rope.scaling.type" in fields:
+        raise ConversionError(f"{path}: rope scaling '{fields[f'{arch}.rope.scaling.type']}' is not supported")
+
+    def get(key):
+        if f"{arch}.{key}" not in fields:
+            raise ConversionError(f"{path}: GGUF metadata has no '{arch}.{key}'")
+        return fields[f"{arch}.{key}"]
+
+    dim, n_head = get("embedding_length"), get("attention.head_count")
+    head_dim = fields.get(f"{arch}.attention.key_length", dim // n_head)
+    if fields.get(f"{arch}.rope.dimension_count", head_dim) != head_dim:
+        raise ConversionError(f"{path}: RoPE over part of a head (rope.dimension_count) is not supported")
+    return ModelArgs(
+        architecture="llama",
+        block_size=get("context_length"),
+        vocab_size=fields.get(f"{arch}.vocab_size") or len(fields["tokenizer.ggml.tokens"]),
+        n_layer=get("block_count"),
+        n_head=n_head,
+        dim=dim,
+        intermediate_size=get("feed_forward_length"),
+        n_local_heads=fields.get(f"{arch}.attention.head_count_kv", n_head),
+        head_dim=head_dim,
+        rope_base=float(fields.get(f"{arch}.rope.freq_base", 10000.0)),
+        norm_eps=float(get("attention.layer_norm_rms_epsilon")),
+        tie_embeddings=not has_output,  # llama.cpp omits output.weight when it is the embedding
+    )
+
+
+def hf_name(gguf_name: str) -> str:
+    """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'; an unknown name is kept, so
+    build_state_dict reports it as an unexpected tensor."""
+    parts = gguf_name.split(".")
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in GGUF_TO_HF_NAMES:
+        return f"model.layers.{parts[1]}.{GGUF_TO_HF_NAMES[parts[2]]}.{parts[3]}"
+    if len(parts) == 2 and parts[0] in GGUF_TO_HF_NAMES:
+        return f"{GGUF_TO_HF_NAMES[parts[0]]}.{parts[1]}"
+    return gguf_name
+
+
+def dequantized(t, config: ModelArgs) -> torch.Tensor:
+    from gguf.quants import dequantize
+    shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dimensions innermost first
+    weight = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))  # a writable copy
+    weight = weight.reshape(shape)
+    if t.name.endswith("attn_q.weight"):
+        weight = interleaved_to_half(weight, config.n_head)
+    elif t.name.endswith("attn_k.weight"):
+        weight = interleaved_to_half(weight, config.n_local_heads)
+    return weight
+
+
+def tokenizer_files_from_gguf(fields: dict, path) -> dict[str, bytes]:
+    """tokenizer.json (byte-level BPE) and tokenizer_config.json (special tokens, chat template)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    kind, pre = fields.get("tokenizer.ggml.model"), fields.get("tokenizer.ggml.pre", "default")
+    if kind != "gpt2":
+        raise ConversionError(f"{path}: GGUF tokenizer '{kind}' is not supported (only gpt2-style byte-level BPE)")
+    # llama.cpp's pre-tokenizer names -> how text is split before BPE. "smollm" (StarCoder style)
+    # also splits every digit on its own, as SmolLM2's own tokenizer.json does.
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    splitters = {"default": byte_level, "gpt2": byte_level,
+                 "smollm": pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])}
+    if pre not in splitters:
+        raise ConversionError(f"{path}: GGUF pre-tokenizer '{pre}' is not supported ({', '.join(splitters)})")
+
+    tokens, types = fields["tokenizer.ggml.tokens"], fields["tokenizer.ggml.token_type"]
+    merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"]]
+    tokenizer = Tokenizer(models.BPE(vocab={tok: i for i, tok in enumerate(tokens)}, merges=merges))
+    tokenizer.pre_tokenizer = splitters[pre]
+    tokenizer.decoder = decoders.ByteLevel()
+    # Control tokens (<|im_start|>, ...) must match whole in text, never be split by BPE.
+    tokenizer.add_special_tokens([AddedToken(tok, special=True, normalized=False)
+                                  for tok, typ in zip(tokens, types) if typ == CONTROL])
+    tokenizer.add_tokens([AddedToken(tok, special=False, normalized=False)
+                          for tok, typ in zip(tokens, types) if typ == USER_DEFINED])
+
+    def token(key):
+        index = fields.get(f"tokenizer.ggml.{key}")
+        return tokens[index] if index is not None else None
+
+    tokenizer_config = {
+        "bos_token": token("bos_token_id"), "eos_token": token("eos_token_id"),
+        "unk_token": token("unknown_token_id"), "pad_token": token("padding_token_id"),
+        "add_bos_token": bool(fields.get("tokenizer.ggml.add_bos_token", False)),
+        "chat_template": fields.get("tokenizer.chat_template"),
+    }
+    return {"tokenizer.json": tokenizer.to_str().encode(),
+            "tokenizer_config.json": (json.dumps(tokenizer_config, indent=2) + "\n").encode()}
