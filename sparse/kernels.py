@@ -1,0 +1,235 @@
+"""Triton kernels for the N:M bitmask format (layout: see sparse/format.py).
+
+- `spmv`: y = x @ W.T for 1..16 rows of x. Threads own output rows; the loop walks the mask
+  words k and, per word, a fixed number of steps (nnz per word, a constexpr): take the lowest
+  set bit, gather x at that column (all lanes of a warp hit the same 32-column chunk), multiply
+  by the next stored value, clear the bit. Split-K over programs adds fp32 partial sums into a
+  workspace with atomics; the last program of a row block to arrive casts the sum to the output
+  dtype and zeroes the workspace again, so one launch does everything and the workspace is
+  always clean for the next call.
+- `unpack_to_dense`: expands (values, mask) into a dense weight for the prefill path
+  (decompress + cuBLAS).
+
+`INTERPRETER_SAFE` (a constexpr) keeps inline PTX out so the same source runs under
+TRITON_INTERPRET=1 on CPU; the safe bit scan takes the lowest set bit's index from the float32
+exponent of (w & -w), which is exact for a power of two.
+"""
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+MAX_SPMV_BATCH = 16
+
+
+@triton.jit
+def _prepare_word(word, INTERPRETER_SAFE: tl.constexpr):
+    """int32 mask word -> the uint32 form `_pop_next_column` scans (bit-reversed on the fast path)."""
+    word = word.to(tl.uint32, bitcast=True)
+    if not INTERPRETER_SAFE:
+        word = tl.inline_asm_elementwise("brev.b32 $0, $1;", "=r,r", [word], dtype=tl.uint32, is_pure=True, pack=1)
+    return word
+
+
+@triton.jit
+def _pop_next_column(word, INTERPRETER_SAFE: tl.constexpr):
+    """Column of the lowest set bit of the original word, and the word with that bit cleared.
+
+    Fast path: the word is bit-reversed, so the lowest column is the highest set bit and
+    `bfind.shiftamt` (one FLO instruction) returns its column directly; clearing it is a shift
+    and an xor. Safe path: isolate the lowest bit (w & -w); for a power of two the float32
+    exponent is exactly the bit index.
+    """
+    if INTERPRETER_SAFE:
+        lowest = word & (0 - word)
+        column = (lowest.to(tl.float32).to(tl.int32, bitcast=True) >> 23) - 127
+        word = word ^ lowest
+    else:
+        column = tl.inline_asm_elementwise("bfind.shiftamt.u32 $0, $1;", "=r,r", [word],
+                                           dtype=tl.int32, is_pure=True, pack=1)
+        word = word ^ (tl.full(word.shape, 0x80000000, tl.uint32) >> column.to(tl.uint32))
+    return column, word
+
+
+@triton.jit
+def _gather_lanes(pairs_ptr, index, LANES: tl.constexpr):
+    """x[column, 0:LANES] for every row, as float32 [rows, LANES] held in each thread's registers.
+
+    x is float32 (in, batch) viewed as int64, so one 8-byte gather brings two lanes. Lanes are
+    put side by side with join/permute/reshape, which only relabel registers; a plain 2-D gather
+    makes Triton pick a layout that differs from the rows' and shuffle through shared memory.
+    """
+    if LANES == 2:
+        bits = tl.load(pairs_ptr + index, cache_modifier=".ca")
+        low = bits.to(tl.uint32).to(tl.float32, bitcast=True)
+        high = (bits >> 32).to(tl.uint32).to(tl.float32, bitcast=True)
+        lanes = tl.join(low, high)
+    else:
+        low = _gather_lanes(pairs_ptr, index, LANES // 2)
+        high = _gather_lanes(pairs_ptr, index + LANES // 4, LANES // 2)
+        lanes = tl.reshape(tl.permute(tl.join(low, high), (0, 2, 1)), (low.shape[0], LANES))
+    return lanes
+
+
+@triton.jit
+def _spmv_kernel(x_ptr, values_ptr, mask_ptr, y_ptr, workspace_ptr, arrivals_ptr,
+                 n_rows, n_words, words_per_split,
+                 NNZ_PER_WORD: tl.constexpr, BATCH: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                 INTERPRETER_SAFE: tl.constexpr):
+    """y[:BATCH, rows] = x @ W[rows].T. x: (in,) in any float dtype if BATCH == 1, else float32
+    (in, BATCH) viewed as int64 pairs; BATCH is a power of two."""
+    X_ELEMENTS_PER_COLUMN: tl.constexpr = 1 if BATCH == 1 else BATCH // 2
+    row_block = tl.program_id(0)
+    split = tl.program_id(1)
+    rows = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    row_ok = rows < n_rows
+
+    acc = tl.zeros([BLOCK_ROWS, BATCH], dtype=tl.float32)
+    k_begin = split * words_per_split
+    k_end = tl.minimum(k_begin + words_per_split, n_words)
+    for k in range(k_begin, k_end):
+        # Rows past the end read an all-ones word: the scan then stays inside this chunk of x,
+        # and their values read as zero.
+        word = tl.load(mask_ptr + k * n_rows + rows, mask=row_ok, other=-1, cache_modifier=".cg")
+        word = _prepare_word(word, INTERPRETER_SAFE)
+        x_chunk = x_ptr + k * 32 * X_ELEMENTS_PER_COLUMN
+        for step in tl.static_range(NNZ_PER_WORD):
+            value = tl.load(values_ptr + (k * NNZ_PER_WORD + step) * n_rows + rows, mask=row_ok, other=0.0,
+                            cache_modifier=".cg")
+            column, word = _pop_next_column(word, INTERPRETER_SAFE)
+            if BATCH == 1:
+                x = tl.load((x_chunk + column)[:, None], cache_modifier=".ca").to(tl.float32)
+            else:
+                x = _gather_lanes(x_chunk, column * X_ELEMENTS_PER_COLUMN, BATCH)
+            acc += value.to(tl.float32)[:, None] * x
+
+    lanes = tl.arange(0, BATCH)
+    out_offsets = lanes[None, :] * n_rows + rows[:, None]
+    out_ok = row_ok[:, None] & (lanes < BATCH)[None, :]
+    if tl.num_programs(1) == 1:
+        tl.store(y_ptr + out_offsets, acc.to(y_ptr.dtype.element_ty), mask=out_ok)
+    else:
+        tl.atomic_add(workspace_ptr + out_offsets, acc, mask=out_ok, sem="relaxed")
+        tl.debug_barrier()  # every thread's partial sums are in before the arrival is counted
+        arrived = tl.atomic_add(arrivals_ptr + row_block, 1, sem="acq_rel")
+        if arrived == tl.num_programs(1) - 1:
+            # Swap the sums out for zeros at L2 (as int32 bits: the interpreter has no float xchg).
+            sum_bits = tl.atomic_xchg((workspace_ptr + out_offsets).to(tl.pointer_type(tl.int32), bitcast=True),
+                                      tl.zeros_like(acc).to(tl.int32), mask=out_ok)
+            total = sum_bits.to(tl.float32, bitcast=True)
+            tl.store(y_ptr + out_offsets, total.to(y_ptr.dtype.element_ty), mask=out_ok)
+            tl.atomic_xchg(arrivals_ptr + row_block, 0)
+
+
+@triton.jit
+def _popcount(bits):
+    """Set bits of each uint32 (SWAR; libdevice popc does not run in the interpreter)."""
+    bits = bits - ((bits >> 1) & 0x55555555)
+    bits = (bits & 0x33333333) + ((bits >> 2) & 0x33333333)
+    bits = (bits + (bits >> 4)) & 0x0F0F0F0F
+    return (bits * 0x01010101) >> 24
+
+
+@triton.jit
+def _unpack_kernel(values_ptr, mask_ptr, dense_ptr, n_rows, n_words,
+                   NNZ_PER_WORD: tl.constexpr, BLOCK_ROWS: tl.constexpr, WORDS_PER_PROGRAM: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    row_ok = rows < n_rows
+    bit = tl.arange(0, 32).to(tl.uint32)
+    below = (tl.full([32], 1, tl.uint32) << bit) - 1  # bits under each column
+    for i in tl.static_range(WORDS_PER_PROGRAM):
+        k = tl.program_id(1) * WORDS_PER_PROGRAM + i
+        if k < n_words:
+            word = tl.load(mask_ptr + k * n_rows + rows, mask=row_ok, other=0).to(tl.uint32, bitcast=True)
+            kept = ((word[:, None] >> bit[None, :]) & 1) != 0
+            rank = _popcount(word[:, None] & below[None, :]).to(tl.int32)  # kept values left of the column
+            value = tl.load(values_ptr + (k * NNZ_PER_WORD + rank) * n_rows + rows[:, None],
+                            mask=kept & row_ok[:, None], other=0.0)
+            columns = k * 32 + bit.to(tl.int32)
+            tl.store(dense_ptr + rows[:, None] * (n_words * 32) + columns[None, :], value, mask=row_ok[:, None])
+
+
+# ---------------------------------------------------------------- launchers
+
+# Split-K partial sums and per-row-block arrival counters, one pair per device, grown on demand.
+# The kernel leaves both zeroed after every call. Old buffers are kept alive because captured
+# CUDA graphs may still point at them.
+_workspaces = {}
+_retired_workspaces = []
+
+
+def _workspace(device, n_elements: int, n_counters: int):
+    key = str(device)
+    held = _workspaces.get(key)
+    if held is None or held[0].numel() < n_elements or held[1].numel() < n_counters:
+        if held is not None:
+            _retired_workspaces.append(held)
+        size = max(n_elements, 0 if held is None else held[0].numel(), MAX_SPMV_BATCH * 65536)
+        counters = max(n_counters, 0 if held is None else held[1].numel(), 4096)
+        held = (torch.zeros(size, dtype=torch.float32, device=device),
+                torch.zeros(counters, dtype=torch.int32, device=device))
+        _workspaces[key] = held
+    return held
+
+
+def spmv_config(n_rows: int, n_words: int, batch: int):
+    """(rows per thread, warps, split) for a shape.
+
+    Enough programs to fill the 132 SMs a few times over; split-K for narrow matrices, but keep
+    at least 8 words per program so the atomics stay a small part of the work.
+    """
+    if INTERPRETING:
+        return 1, 1, max(1, min(3, n_words // 2))
+    rows_per_thread, warps = (4, 4) if batch <= 2 else (2, 4) if batch <= 8 else (1, 4)
+    block_rows = rows_per_thread * 32 * warps
+    row_blocks = triton.cdiv(n_rows, block_rows)
+    target_programs = 132 * 6
+    split = max(1, min(target_programs // row_blocks, n_words // 8))
+    return rows_per_thread, warps, split
+
+
+def spmv(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, config=None, out=None) -> torch.Tensor:
+    """y = x @ W.T for x of shape (batch <= 16, in); W given as (values, mask).
+
+    config: (rows per thread, warps, split) instead of `spmv_config`'s choice; out: optional
+    (next power of two >= batch, out_features) buffer to write into (tests poison it).
+    """
+    batch, in_features = x.shape
+    n_words, n_rows = mask.shape
+    if in_features != n_words * 32 or batch > MAX_SPMV_BATCH:
+        raise ValueError(f"spmv: x {tuple(x.shape)} does not fit a packed weight with in_features={n_words * 32}")
+    nnz = values.shape[0] // n_words
+    rows_per_thread, warps, split = config or spmv_config(n_rows, n_words, batch)
+    words_per_split = triton.cdiv(n_words, split)
+    split = triton.cdiv(n_words, words_per_split)
+    block_rows = rows_per_thread * 32 * warps
+    row_blocks = triton.cdiv(n_rows, block_rows)
+    lanes = triton.next_power_of_2(batch)
+    workspace, arrivals = _workspace(x.device, lanes * n_rows, row_blocks)
+    y = torch.empty(lanes, n_rows, dtype=x.dtype, device=x.device) if out is None else out
+    if batch > 1:
+        # (in, lanes) float32: the lanes of one column sit together, two per 8-byte gather.
+        if batch == lanes:
+            x_by_column = x.t().to(torch.float32).contiguous()
+        else:
+            x_by_column = x.new_zeros(in_features, lanes, dtype=torch.float32)
+            x_by_column[:, :batch] = x.t()
+        x = x_by_column.view(torch.int64)
+    _spmv_kernel[(row_blocks, split)](
+        x, values, mask, y, workspace, arrivals, n_rows, n_words, words_per_split,
+        NNZ_PER_WORD=nnz, BATCH=lanes, BLOCK_ROWS=block_rows, INTERPRETER_SAFE=INTERPRETING, num_warps=warps)
+    return y[:batch]
+
+
+def unpack_to_dense(values: torch.Tensor, mask: torch.Tensor, out=None) -> torch.Tensor:
+    """Dense (out, in) weight from (values, mask), on the device (graph-capturable)."""
+    n_words, n_rows = mask.shape
+    nnz = values.shape[0] // n_words
+    dense = torch.empty(n_rows, n_words * 32, dtype=values.dtype, device=values.device) if out is None else out
+    block_rows, words_per_program = (16, 2) if INTERPRETING else (64, 4)
+    grid = (triton.cdiv(n_rows, block_rows), triton.cdiv(n_words, words_per_program))
+    _unpack_kernel[grid](values, mask, dense, n_rows, n_words, NNZ_PER_WORD=nnz,
+                         BLOCK_ROWS=block_rows, WORDS_PER_PROGRAM=words_per_program)
+    return dense

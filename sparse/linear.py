@@ -1,0 +1,97 @@
+"""SparseLinear: an nn.Linear whose weight is stored packed (values + mask), and the model swap helpers.
+
+Dispatch of `sparse_matmul` by where it runs and how many rows x has:
+- CUDA (or CPU under TRITON_INTERPRET=1): up to 16 rows -> the Triton SpMV kernel; more rows
+  (prefill) -> expand the weight to dense with a Triton kernel and call cuBLAS.
+- CPU otherwise: pure PyTorch (unpack + F.linear).
+The CUDA path is a `torch.library.custom_op`, so torch.compile(fullgraph=True) keeps it as one
+opaque node and mode="reduce-overhead" records its kernels into the CUDA graph. (An opaque op
+rather than `triton_op` because the SpMV launcher owns a persistent split-K workspace.)
+"""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from sparse import kernels
+from sparse.format import pack, packed_shapes, unpack
+
+
+@torch.library.custom_op("sparse_decoding::bitmask_matmul", mutates_args=())
+def _bitmask_matmul(x: Tensor, values: Tensor, mask: Tensor) -> Tensor:
+    if x.shape[0] <= kernels.MAX_SPMV_BATCH:
+        return kernels.spmv(x, values, mask)
+    return F.linear(x, kernels.unpack_to_dense(values, mask))
+
+
+@_bitmask_matmul.register_fake
+def _(x: Tensor, values: Tensor, mask: Tensor) -> Tensor:
+    return x.new_empty(x.shape[0], mask.shape[1])
+
+
+def sparse_matmul(x: Tensor, values: Tensor, mask: Tensor) -> Tensor:
+    """x @ W.T for x of shape (..., in), W given packed as (values, mask)."""
+    if x.device.type == "cpu" and not kernels.INTERPRETING:
+        return F.linear(x, unpack(values, mask).to(x.dtype))
+    rows = x.reshape(-1, x.shape[-1])
+    if not rows.is_contiguous():
+        rows = rows.contiguous()
+    return _bitmask_matmul(rows, values, mask).reshape(*x.shape[:-1], mask.shape[1])
+
+
+class SparseLinear(nn.Module):
+    """y = x @ W.T with W (out_features, in_features) stored in the N:M bitmask format; no bias."""
+
+    def __init__(self, in_features: int, out_features: int, pattern: str, dtype=None, device=None):
+        super().__init__()
+        self.in_features, self.out_features, self.pattern = in_features, out_features, pattern
+        values_shape, mask_shape = packed_shapes(in_features, out_features, pattern)
+        self.register_buffer("values", torch.zeros(values_shape, dtype=dtype or torch.get_default_dtype(), device=device))
+        self.register_buffer("mask", torch.zeros(mask_shape, dtype=torch.int32, device=device))
+
+    @classmethod
+    def from_dense(cls, linear_or_weight, pattern: str, mask: Tensor = None) -> "SparseLinear":
+        weight = linear_or_weight.weight if isinstance(linear_or_weight, nn.Linear) else linear_or_weight
+        if isinstance(linear_or_weight, nn.Linear) and linear_or_weight.bias is not None:
+            raise ValueError("SparseLinear has no bias; the layer to convert has one")
+        out_features, in_features = weight.shape
+        layer = cls(in_features, out_features, pattern, dtype=weight.dtype, device="meta")
+        layer.values, layer.mask = pack(weight, pattern, mask)
+        return layer
+
+    def forward(self, x: Tensor) -> Tensor:
+        return sparse_matmul(x, self.values, self.mask)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, pattern={self.pattern}"
+
+
+def _replace(model: nn.Module, name: str, new: nn.Module):
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+
+
+def swap_to_sparse(model: nn.Module, pattern: str, masks: dict = None, skip=("output",)) -> nn.Module:
+    """Replace every nn.Linear (except names in `skip`) by a packed SparseLinear, in place.
+
+    masks: optional {module name (or "<name>.weight"): bool (out, in) tensor of kept weights};
+    layers without a mask keep the N largest |w| of each M-group.
+    """
+    masks = masks or {}
+    linears = [(name, module) for name, module in model.named_modules()
+               if isinstance(module, nn.Linear) and name not in skip]
+    for name, module in linears:
+        mask = masks.get(name, masks.get(f"{name}.weight"))
+        _replace(model, name, SparseLinear.from_dense(module, pattern, mask))
+    return model
+
+
+def swap_linears_for_state_dict(model: nn.Module, state_dict: dict, pattern: str) -> nn.Module:
+    """Turn every nn.Linear whose `<name>.values` is in state_dict into an empty SparseLinear on the
+    module's device (meta included), ready for `load_state_dict(state_dict, assign=True)`."""
+    for name, module in list(model.named_modules()):
+        if isinstance(module, nn.Linear) and f"{name}.values" in state_dict:
+            dtype = state_dict[f"{name}.values"].dtype
+            _replace(model, name, SparseLinear(module.in_features, module.out_features, pattern,
+                                               dtype=dtype, device=module.weight.device))
+    return model

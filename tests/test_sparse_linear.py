@@ -1,0 +1,106 @@
+"""sparse/linear.py: SparseLinear on CPU (pure PyTorch path), model swapping and meta-device loading;
+GPU tests (marked `gpu`) run the Triton kernels on real layer shapes, eagerly and under
+torch.compile with CUDA graphs."""
+import pytest
+import torch
+import torch.nn as nn
+
+from model import ModelArgs, Transformer
+from sparse import SparseLinear, pack, sparse_matmul, swap_linears_for_state_dict, swap_to_sparse, unpack
+from sparse.format import keep_largest, packed_shapes
+
+TINY = ModelArgs(n_layer=2, n_head=4, n_local_heads=2, dim=64, intermediate_size=96, vocab_size=128, block_size=64)
+
+
+def relative_error(y: torch.Tensor, reference: torch.Tensor) -> float:
+    return float((y.double() - reference).norm() / reference.norm())
+
+
+@pytest.mark.parametrize("pattern", ["2:4", "16:32"])
+def test_sparse_linear_matches_pruned_dense(pattern):
+    linear = nn.Linear(96, 40, bias=False, dtype=torch.float64)
+    layer = SparseLinear.from_dense(linear, pattern)
+    assert (tuple(layer.values.shape), tuple(layer.mask.shape)) == packed_shapes(96, 40, pattern)
+    pruned = linear.weight * keep_largest(linear.weight, pattern)
+    x = torch.randn(2, 3, 96, dtype=torch.float64)
+    assert torch.allclose(layer(x), x @ pruned.T)
+    assert torch.allclose(sparse_matmul(x, layer.values, layer.mask), x @ pruned.T)
+
+
+def test_from_dense_refuses_bias():
+    with pytest.raises(ValueError, match="bias"):
+        SparseLinear.from_dense(nn.Linear(64, 8), "2:4")
+
+
+def test_swap_to_sparse_keeps_the_model_function():
+    torch.manual_seed(0)
+    model = Transformer(TINY)
+    masks = {"layers.0.attention.wo": keep_largest(torch.randn(64, 64), "2:4")}  # any valid mask
+    reference = Transformer(TINY)
+    reference.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        for name, module in reference.named_modules():
+            if isinstance(module, nn.Linear) and name != "output":
+                module.weight *= masks.get(name, keep_largest(module.weight, "2:4"))
+    swap_to_sparse(model, "2:4", masks)
+    assert isinstance(model.layers[1].feed_forward.w2, SparseLinear)
+    assert isinstance(model.output, nn.Linear)  # skipped by default
+    for m in (model, reference):
+        m.setup_caches(1, 16)
+    idx, pos = torch.randint(0, 128, (1, 6)), torch.arange(6)
+    assert torch.allclose(model(idx, pos), reference(idx, pos), atol=1e-5)
+
+
+def test_swap_linears_for_state_dict_loads_on_meta():
+    torch.manual_seed(1)
+    source = swap_to_sparse(Transformer(TINY), "4:8")
+    state_dict = source.state_dict()
+    with torch.device("meta"):
+        model = Transformer(TINY)
+    swap_linears_for_state_dict(model, state_dict, "4:8")
+    assert model.layers[0].attention.wqkv.values.is_meta
+    model.load_state_dict(state_dict, assign=True)
+    layer = model.layers[0].feed_forward.w13
+    assert torch.equal(unpack(layer.values, layer.mask), unpack(*pack(unpack(layer.values, layer.mask), "4:8")))
+    assert torch.equal(layer.mask, source.layers[0].feed_forward.w13.mask)
+
+
+# ---------------------------------------------------------------- GPU
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+# (out, in) of Llama-3.1-8B's fused qkv and w2 and Qwen3-14B's qkv; every pattern on one shape.
+GPU_CASES = [(6144, 4096, "2:4"), (4096, 14336, "16:32"), (7168, 5120, "4:8"), (4096, 4096, "8:16")]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("out_features,in_features,pattern", GPU_CASES)
+@pytest.mark.parametrize("rows", [1, 3, 4, 16, 300])
+def test_gpu_bf16_against_float64(out_features, in_features, pattern, rows):
+    weight = torch.randn(out_features, in_features, device="cuda", dtype=torch.bfloat16)
+    layer = SparseLinear.from_dense(weight, pattern)
+    dense = unpack(layer.values, layer.mask).double()
+    for _ in range(2):  # fresh inputs; the second call also checks the split-K workspace was left clean
+        x = torch.randn(rows, in_features, device="cuda", dtype=torch.bfloat16)
+        assert relative_error(layer(x), x.double() @ dense.T) < 1e-2
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_torch_compile_cuda_graphs():
+    class Block(nn.Module):  # a residual MLP: two sparse layers and pointwise ops around them
+        def __init__(self):
+            super().__init__()
+            self.up = SparseLinear.from_dense(torch.randn(2048, 1024, dtype=torch.bfloat16) / 32, "2:4").cuda()
+            self.down = SparseLinear.from_dense(torch.randn(1024, 2048, dtype=torch.bfloat16) / 45, "8:16").cuda()
+
+        def forward(self, x):
+            return x + self.down(torch.relu(self.up(x)))
+
+    block = Block()
+    up, down = (unpack(layer.values, layer.mask).double() for layer in (block.up, block.down))
+    compiled = torch.compile(block, fullgraph=True, mode="reduce-overhead")
+    for rows in [1, 1, 1, 4, 4, 4, 64]:
+        x = torch.randn(rows, 1024, device="cuda", dtype=torch.bfloat16)
+        reference = x.double() + torch.relu(x.double() @ up.T) @ down.T
+        assert relative_error(compiled(x).clone(), reference) < 1e-2
