@@ -13,14 +13,14 @@ CLI:
 import argparse
 import ast
 import re
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
 from tqdm import tqdm
 
-from evaluation.data import data_path, read_jsonl, write_json_atomic
+from evaluation.data import data_path, read_jsonl
+from evaluation.generation import add_generation_args, load_generate_fn, run_cli
 from evaluation.sandbox import run_program
 
 # MBPP's conventional test split (task ids 11-510); 1-10 are few-shot examples, 511+ validation/train.
@@ -136,30 +136,22 @@ def evaluate(task_name: str, generate_fn: Callable[[list[str]], list[str]], limi
 def main():
     parser = argparse.ArgumentParser(description="pass@1 (greedy) on HumanEval, MBPP or ClassEval.")
     parser.add_argument("--task", choices=sorted(TASKS), required=True)
-    parser.add_argument("--checkpoint", help="model checkpoint (dense or packed-sparse)")
     parser.add_argument("--canonical", action="store_true", help="score the reference solutions instead of a model")
-    parser.add_argument("--limit", type=int, help="first N problems only")
-    parser.add_argument("--max_new_tokens", type=int, default=512)
-    parser.add_argument("--batch_size", type=int, default=8)
-    parser.add_argument("--device", default="cpu")
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds per program")
     parser.add_argument("--memory_mb", type=int, default=1024, help="memory limit per program")
-    parser.add_argument("--out", help="write per-task results as JSON")
+    add_generation_args(parser, max_new_tokens=512, batch_size=8)
     args = parser.parse_args()
     if args.canonical == bool(args.checkpoint):
         parser.error("give exactly one of --checkpoint and --canonical")
-    try:
+
+    def run():
         if args.canonical:
-            generate_fn = lambda prompts, tasks=TASKS[args.task]()[: args.limit]: [t.canonical for t in tasks]
+            generate_fn = lambda prompts: [t.canonical for t in TASKS[args.task]()[: len(prompts)]]  # noqa: E731
         else:
-            from evaluation.generation import load_generate_fn
             generate_fn = load_generate_fn(args.checkpoint, args.device, args.max_new_tokens, args.batch_size)
-        result = evaluate(args.task, generate_fn, args.limit, timeout=args.timeout, memory_mb=args.memory_mb)
-    except (FileNotFoundError, ValueError) as e:
-        sys.exit(f"error: {e}")
-    print(f"{args.task} pass@1 = {result['pass@1']:.4f} ({result['passed']}/{result['total']})")
-    if args.out:
-        write_json_atomic(args.out, result)
+        return evaluate(args.task, generate_fn, args.limit, timeout=args.timeout, memory_mb=args.memory_mb)
+
+    run_cli(run, lambda r: f"{args.task} pass@1 = {r['pass@1']:.4f} ({r['passed']}/{r['total']})", args.out)
 
 
 if __name__ == "__main__":

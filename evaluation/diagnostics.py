@@ -34,7 +34,9 @@ import torch.nn as nn
 from tqdm import tqdm
 
 from evaluation.data import data_path, read_prompts, write_json_atomic
-from evaluation.generation import forward_logits
+from evaluation.fidelity import dense_references
+from evaluation.generation import USER_ERRORS, forward_logits, load_model, load_model_and_tokenizer
+from evaluation.perplexity import read_text
 
 FRACTIONS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0)
 
@@ -231,15 +233,10 @@ def main():
     args = parser.parse_args()
     out_dir = Path(args.out_dir)
     try:
-        from checkpoint import CheckpointError
-        from evaluation.fidelity import dense_references
-        from evaluation.generation import load_model_and_tokenizer
-
         dense, tokenizer = load_model_and_tokenizer(args.dense, args.device)
         if args.command == "activation":
-            import generate
             prompts = read_prompts(args.prompts or data_path("longbench_write_en.jsonl"))[: args.limit]
-            pruned = generate.load_model(args.pruned, args.device, torch.float32)
+            pruned = load_model(args.pruned, args.device)
             result = activation_discrepancy(dense, pruned, dense_references(dense, tokenizer, prompts, args.max_new_tokens),
                                             dense_references(pruned, tokenizer, prompts, args.max_new_tokens))
             write_json_atomic(out_dir / "activation_discrepancy.json", result)
@@ -254,14 +251,11 @@ def main():
             for row in result["summary"]:
                 print(f"fraction {row['fraction']:>5}: AR < C4 in {row['ar_below_c4']}/{row['modules']} modules, "
                       f"median eps_AR/eps_C4 {row['median_ratio_ar_over_c4']:.3f}")
-    except (FileNotFoundError, ValueError, CheckpointError) as e:
+    except USER_ERRORS as e:
         sys.exit(f"error: {e}")
 
 
 def hessian_study(dense, tokenizer, args) -> dict:
-    from evaluation.fidelity import dense_references
-    from evaluation.perplexity import read_text
-
     heldout = read_prompts(args.heldout_prompts or data_path("longbench_write_en.jsonl"))[: args.limit]
     calib = read_prompts(args.calib_prompts or data_path("mbpp.jsonl"), field="text")
     dec_refs = dense_references(dense, tokenizer, heldout, args.max_new_tokens)

@@ -15,14 +15,14 @@ CLI: python -m evaluation.fidelity --dense dense.pth --pruned pruned.pth [--prom
 """
 import argparse
 import statistics
-import sys
 
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from evaluation.data import data_path, read_prompts, write_json_atomic
-from evaluation.generation import forward_logits
+from evaluation.data import data_path, read_prompts
+from evaluation.generation import (encode_prompt, forward_logits, greedy_token_ids, load_model,
+                                   load_model_and_tokenizer, run_cli)
 
 
 def step_metrics(dense_logits: torch.Tensor, pruned_logits: torch.Tensor, dense_tokens: torch.Tensor) -> dict:
@@ -73,8 +73,6 @@ def decode_fidelity(dense_model, pruned_model, references: list[tuple[list[int],
 
 def dense_references(dense_model, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int = 8):
     """The dense model's greedy generations: [(prompt ids, generated ids without EOS)]."""
-    from evaluation.generation import encode_prompt, greedy_token_ids
-
     prompt_ids = [encode_prompt(tokenizer, p) for p in prompts]
     generated = greedy_token_ids(dense_model, prompt_ids, max_new_tokens, tuple(tokenizer.eos_ids), batch_size)
     return [(p, [t for t in g if t not in tokenizer.eos_ids]) for p, g in zip(prompt_ids, generated)]
@@ -91,23 +89,17 @@ def main():
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out")
     args = parser.parse_args()
-    try:
-        from checkpoint import CheckpointError
-        from evaluation.generation import load_model_and_tokenizer
-        import generate
 
+    def run():
         prompts = read_prompts(args.prompts or data_path("longbench_write_en.jsonl"))[: args.limit]
         dense, tokenizer = load_model_and_tokenizer(args.dense, args.device)
-        pruned = generate.load_model(args.pruned, args.device, torch.float32)
-        references = dense_references(dense, tokenizer, prompts, args.max_new_tokens, args.batch_size)
-        result = decode_fidelity(dense, pruned, references)
-    except (FileNotFoundError, ValueError, CheckpointError) as e:
-        sys.exit(f"error: {e}")
-    print(f"KL(dense||pruned) {result['kl']:.4f} nats/token | top-1 agreement {result['top1_agreement']:.4f} | "
-          f"tokens to divergence mean {result['tokens_to_divergence_mean']:.1f}, median "
-          f"{result['tokens_to_divergence_median']:.1f} | {result['decode_tokens']} decode tokens")
-    if args.out:
-        write_json_atomic(args.out, result)
+        pruned = load_model(args.pruned, args.device)
+        return decode_fidelity(dense, pruned, dense_references(dense, tokenizer, prompts, args.max_new_tokens,
+                                                               args.batch_size))
+
+    run_cli(run, lambda r: f"KL(dense||pruned) {r['kl']:.4f} nats/token | top-1 agreement {r['top1_agreement']:.4f} | "
+                           f"tokens to divergence mean {r['tokens_to_divergence_mean']:.1f}, median "
+                           f"{r['tokens_to_divergence_median']:.1f} | {r['decode_tokens']} decode tokens", args.out)
 
 
 if __name__ == "__main__":

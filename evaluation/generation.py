@@ -3,19 +3,29 @@ prompts into greedy replies, and run a teacher-forced forward pass.
 
 Built on the engine's contracts: generate.load_model / generate.generate and tokenizer.py.
 """
+import argparse
+import sys
 from typing import Callable
 
 import torch
 
+from checkpoint import CheckpointError
 from model import Transformer
+
+# What bad user input raises in the evaluation code; the CLIs turn these into one error line.
+USER_ERRORS = (FileNotFoundError, ValueError, KeyError, CheckpointError)
+
+
+def load_model(checkpoint, device="cpu", dtype=torch.float32) -> Transformer:
+    import generate  # imported here so the metric modules stay usable without the engine
+
+    return generate.load_model(checkpoint, device, dtype)
 
 
 def load_model_and_tokenizer(checkpoint, device="cpu", dtype=torch.float32):
-    import generate  # imported here so the metric modules stay usable without the engine
     from tokenizer import find_tokenizer, load_tokenizer
 
-    model = generate.load_model(checkpoint, device, dtype)
-    return model, load_tokenizer(find_tokenizer(checkpoint))
+    return load_model(checkpoint, device, dtype), load_tokenizer(find_tokenizer(checkpoint))
 
 
 def encode_prompt(tokenizer, text: str) -> list[int]:
@@ -59,3 +69,26 @@ def forward_logits(model: Transformer, idx: torch.Tensor) -> torch.Tensor:
     model.set_left_padding(None)
     device = model.tok_embeddings.weight.device
     return model(idx.to(device), torch.arange(T, device=device)).float()
+
+
+def add_generation_args(parser: argparse.ArgumentParser, max_new_tokens: int, batch_size: int):
+    """The flags every task CLI shares: which model, how much to generate, where to write."""
+    parser.add_argument("--checkpoint", help="model checkpoint (dense or packed-sparse)")
+    parser.add_argument("--limit", type=int, help="first N items only")
+    parser.add_argument("--max_new_tokens", type=int, default=max_new_tokens)
+    parser.add_argument("--batch_size", type=int, default=batch_size)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--out", help="write detailed results as JSON")
+
+
+def run_cli(evaluate_fn, summary_fn, out_path):
+    """Run an evaluation, print its one-line summary, write its JSON; bad input exits with one line."""
+    try:
+        result = evaluate_fn()
+    except USER_ERRORS as e:
+        sys.exit(f"error: {e}")
+    print(summary_fn(result))
+    if out_path:
+        from evaluation.data import write_json_atomic
+        write_json_atomic(out_path, result)
+    return result

@@ -13,10 +13,10 @@ CLI: python -m evaluation.longbench_write --checkpoint model.pth [--prompts long
 """
 import argparse
 import re
-import sys
 from typing import Callable
 
-from evaluation.data import data_path, read_jsonl, write_json_atomic
+from evaluation.data import data_path, read_jsonl
+from evaluation.generation import add_generation_args, load_generate_fn, run_cli
 
 CJK_CHARACTER = re.compile(r"[\u4e00-\u9fff\u3400-\u4dbf\uf900-\ufaff]")
 WORD = re.compile(r"[A-Za-z0-9\u00c0-\u024f'’-]+")
@@ -50,25 +50,17 @@ def evaluate(rows: list[dict], generate_fn: Callable[[list[str]], list[str]]) ->
 
 def main():
     parser = argparse.ArgumentParser(description="LongBench-Write length score S_l.")
-    parser.add_argument("--checkpoint", required=True)
     parser.add_argument("--prompts", help="jsonl with prompt/length (default: shared longbench_write_en.jsonl)")
-    parser.add_argument("--limit", type=int)
-    parser.add_argument("--max_new_tokens", type=int, default=2048,
-                        help="generation cap; prompts needing more words than this cannot reach S_l = 100")
-    parser.add_argument("--batch_size", type=int, default=4)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--out")
-    args = parser.parse_args()
-    try:
+    add_generation_args(parser, max_new_tokens=2048, batch_size=4)
+    args = parser.parse_args()  # prompts needing more words than --max_new_tokens cannot reach S_l = 100
+    if not args.checkpoint:
+        parser.error("--checkpoint is required")
+
+    def run():
         rows = read_jsonl(args.prompts or data_path("longbench_write_en.jsonl"))[: args.limit]
-        from evaluation.generation import load_generate_fn
-        generate_fn = load_generate_fn(args.checkpoint, args.device, args.max_new_tokens, args.batch_size)
-        result = evaluate(rows, generate_fn)
-    except (FileNotFoundError, ValueError, KeyError) as e:
-        sys.exit(f"error: {e}")
-    print(f"LongBench-Write S_l = {result['S_l']:.2f} over {result['n']} prompts")
-    if args.out:
-        write_json_atomic(args.out, result)
+        return evaluate(rows, load_generate_fn(args.checkpoint, args.device, args.max_new_tokens, args.batch_size))
+
+    run_cli(run, lambda r: f"LongBench-Write S_l = {r['S_l']:.2f} over {r['n']} prompts", args.out)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ CLI: python -m evaluation.perplexity --checkpoint model.pth --data wikitext2_tes
 import argparse
 import json
 import math
-import sys
 from pathlib import Path
 
 import torch
@@ -20,7 +19,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from evaluation.data import data_path, open_text
-from evaluation.generation import forward_logits
+from evaluation.generation import forward_logits, load_model_and_tokenizer, run_cli
 
 
 def read_text(path, max_chars: int | None = None) -> str:
@@ -87,18 +86,19 @@ def main():
     parser.add_argument("--seq_len", type=int, default=2048)
     parser.add_argument("--max_tokens", type=int, help="score only the first N tokens")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--out", help="write the result as JSON")
     args = parser.parse_args()
-    try:
+
+    def run():
         path = download_hub_file(args.hub) if args.hub else (
             Path(args.data) if Path(args.data).exists() else data_path(args.data))
-        # Characters are cheaper than tokens to bound: ~4 characters a token leaves enough slack.
+        # Characters are cheaper to bound than tokens; 8 a token leaves slack for any tokenizer.
         text = read_text(path, max_chars=8 * args.max_tokens if args.max_tokens else None)
-        from evaluation.generation import load_model_and_tokenizer
         model, tokenizer = load_model_and_tokenizer(args.checkpoint, args.device)
-        result = text_perplexity(model, tokenizer, text, args.seq_len, args.max_tokens)
-    except (FileNotFoundError, ValueError, KeyError) as e:
-        sys.exit(f"error: {e}")
-    print(f"perplexity {result['perplexity']:.4f} over {result['tokens']} tokens ({result['windows']} windows of {args.seq_len})")
+        return text_perplexity(model, tokenizer, text, args.seq_len, args.max_tokens)
+
+    run_cli(run, lambda r: f"perplexity {r['perplexity']:.4f} over {r['tokens']} tokens "
+                           f"({r['windows']} windows of {args.seq_len})", args.out)
 
 
 if __name__ == "__main__":

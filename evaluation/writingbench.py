@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import re
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -24,7 +23,8 @@ from typing import Callable
 
 from tqdm import tqdm
 
-from evaluation.data import data_path, read_jsonl, write_json_atomic
+from evaluation.data import data_path, read_jsonl
+from evaluation.generation import add_generation_args, load_generate_fn, run_cli
 
 JUDGE_INSTRUCTIONS = """You are an expert evaluator of writing. Score the response to the writing request below on ONE criterion, using its rubric, on an integer scale of 1 to 10.
 
@@ -129,33 +129,28 @@ def evaluate(rows: list[dict], generate_fn: Callable[[list[str]], list[str]], ju
 
 def main():
     parser = argparse.ArgumentParser(description="WritingBench with an OpenAI-compatible LLM judge.")
-    parser.add_argument("--checkpoint", required=True)
     parser.add_argument("--judge_url", required=True, help="base URL of an OpenAI-compatible API")
     parser.add_argument("--judge_model", required=True)
     parser.add_argument("--judge_api_key_env", default="JUDGE_API_KEY",
                         help="environment variable holding the API key (OPENAI_API_KEY is the fallback)")
     parser.add_argument("--queries", help="WritingBench jsonl (default: shared writingbench_length_subset.jsonl)")
-    parser.add_argument("--limit", type=int)
-    parser.add_argument("--max_new_tokens", type=int, default=1024)
-    parser.add_argument("--batch_size", type=int, default=4)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--out")
+    add_generation_args(parser, max_new_tokens=1024, batch_size=4)
     args = parser.parse_args()
+    if not args.checkpoint:
+        parser.error("--checkpoint is required")
     api_key = os.environ.get(args.judge_api_key_env) or os.environ.get("OPENAI_API_KEY")
     judge = JudgeClient(args.judge_url, args.judge_model, api_key)
-    try:
+
+    def run():
         rows = read_jsonl(args.queries or data_path("writingbench_length_subset.jsonl"))[: args.limit]
-        from evaluation.generation import load_generate_fn
-        generate_fn = load_generate_fn(args.checkpoint, args.device, args.max_new_tokens, args.batch_size)
-        result = evaluate(rows, generate_fn, judge)
-    except (FileNotFoundError, ValueError, KeyError, JudgeError) as e:
-        sys.exit(f"error: {e}")
-    if result["score"] is None:
-        sys.exit(f"error: the judge scored none of the {result['n']} samples; first problem: "
-                 f"{result['samples'][0]['errors'][:1]}")
-    print(f"WritingBench score = {result['score']:.2f} / 10 over {result['n_scored']} of {result['n']} samples")
-    if args.out:
-        write_json_atomic(args.out, result)
+        result = evaluate(rows, load_generate_fn(args.checkpoint, args.device, args.max_new_tokens, args.batch_size), judge)
+        if result["score"] is None:
+            raise ValueError(f"the judge scored none of the {result['n']} samples; first problem: "
+                             f"{result['samples'][0]['errors'][:1]}")
+        return result
+
+    run_cli(run, lambda r: f"WritingBench score = {r['score']:.2f} / 10 over {r['n_scored']} of {r['n']} samples",
+            args.out)
 
 
 if __name__ == "__main__":

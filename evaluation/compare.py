@@ -1,0 +1,274 @@
+"""The comparison runner: dense vs C4-calibrated vs decoding-aware-calibrated pruning, per backend and
+pattern, over seeds, on decode fidelity, perplexity and (optionally) task scores; a paper-style table
+and a plot.
+
+For every (method, pattern, calibration, seed) it prunes the dense checkpoint with `python -m prune`
+(skipped when the output already exists, so a run can be resumed or extended), then evaluates it;
+each checkpoint's metrics are cached as JSON next to it. Both calibrations get the same token
+budget: --tokens decode-step tokens for decoding-aware, --tokens text tokens for C4.
+
+Prompt split (nothing is evaluated on prompts it was calibrated on):
+  calibration (decode): LongBench-Write-en rows whose index is not a multiple of 3, then MBPP
+                        problem statements 601-974 (outside MBPP's test split);
+  held-out (fidelity):  LongBench-Write-en rows 0, 3, 6, ... and the first HumanEval prompts.
+Perplexity is measured on WikiText-2 test (C4 is a calibration source, so it would favour C4).
+
+CLI: python -m evaluation.compare --checkpoint dense.pth --workdir runs/grid --seeds 0 1 2 --tokens 16384
+         [--methods sparsegpt wanda] [--patterns 2:4 8:16 50%] [--tasks humaneval mbpp --task_limit 20]
+         --out docs/results.json --plot docs/results.png --table docs/results_table.md
+"""
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from tqdm import tqdm
+
+from evaluation.data import data_path, read_jsonl, write_json_atomic
+from evaluation.generation import USER_ERRORS
+
+CALIBRATIONS = ("text", "decode")  # the C4 baseline, the paper's method
+CALIB_LABEL = {"text": "C4", "decode": "decode-aware"}
+# (metric key, label, True if higher is better)
+METRICS = [("kl", "KL(dense||pruned)", False), ("top1_agreement", "top-1 agree", True),
+           ("tokens_to_divergence_mean", "tokens to diverge", True), ("wikitext2_ppl", "WikiText-2 PPL", False)]
+
+
+def prompt_split(n_code_heldout: int = 10) -> tuple[list[str], list[str]]:
+    """(calibration prompts, held-out prompts) as described in the module docstring."""
+    writing = [row["prompt"] for row in read_jsonl(data_path("longbench_write_en.jsonl"))]
+    mbpp = [row["text"] for row in read_jsonl(data_path("mbpp.jsonl")) if row["task_id"] >= 601]
+    humaneval = [row["prompt"] for row in read_jsonl(data_path("HumanEval.jsonl.gz"))[:n_code_heldout]]
+    calibration = [p for i, p in enumerate(writing) if i % 3 != 0] + mbpp
+    heldout = [p for i, p in enumerate(writing) if i % 3 == 0] + humaneval
+    return calibration, heldout
+
+
+def run_name(method: str, pattern: str, calib: str, seed: int) -> str:
+    return f"{method}-{pattern.replace(':', 'of').replace('%', 'pct')}-{calib}-seed{seed}"
+
+
+def prune(args, method, pattern, calib, seed, calib_prompts: Path, out: Path):
+    if out.exists():
+        return
+    source = ["--prompts", str(calib_prompts), "--max_new_tokens", str(args.calib_max_new_tokens)] if calib == "decode" \
+        else ["--text", str(data_path("c4_sample.jsonl")), "--seq_len", str(args.calib_seq_len)]
+    command = [sys.executable, "-m", "prune", "--checkpoint", str(args.checkpoint), "--method", method,
+               "--pattern", pattern, "--calib", calib, *source, "--tokens", str(args.tokens), "--seed", str(seed),
+               "--device", args.device, "--out", str(out), *args.prune_args]
+    log = out.with_suffix(".log")
+    with open(log, "w") as f:
+        finished = subprocess.run(command, stdout=f, stderr=subprocess.STDOUT)
+    if finished.returncode != 0:
+        raise RuntimeError(f"pruning failed ({' '.join(command)}); see {log}")
+
+
+def evaluate_checkpoint(args, model, dense, tokenizer, references, wikitext_ids) -> dict:
+    from evaluation.fidelity import decode_fidelity
+    from evaluation.perplexity import perplexity
+
+    metrics = {} if model is dense else decode_fidelity(dense, model, references)
+    metrics["wikitext2_ppl"] = perplexity(model, wikitext_ids, args.seq_len)["perplexity"]
+    if args.tasks:
+        from evaluation import code_tasks
+        from evaluation.generation import make_generate_fn
+
+        generate_fn = make_generate_fn(model, tokenizer, args.task_max_new_tokens, args.batch_size)
+        for task in args.tasks:
+            metrics[f"{task}_pass@1"] = code_tasks.evaluate(task, generate_fn, args.task_limit)["pass@1"]
+    return metrics
+
+
+def aggregate(runs: list[dict]) -> dict:
+    """{(method, pattern, calib): {metric: (mean, std, n)}} over seeds."""
+    groups = {}
+    for run in runs:
+        groups.setdefault((run["method"], run["pattern"], run["calib"]), []).append(run["metrics"])
+    table = {}
+    for key, metric_list in groups.items():
+        table[key] = {}
+        for metric in metric_list[0]:
+            values = [m[metric] for m in metric_list if isinstance(m.get(metric), (int, float))]
+            if values:
+                spread = statistics.stdev(values) if len(values) > 1 else 0.0
+                table[key][metric] = (statistics.mean(values), spread, len(values))
+    return table
+
+
+def metric_columns(table: dict) -> list[tuple[str, str, bool]]:
+    present = {m for row in table.values() for m in row}
+    task_metrics = sorted(m for m in present if m.endswith("pass@1"))
+    return [c for c in METRICS if c[0] in present] + [(m, m, True) for m in task_metrics]
+
+
+def markdown_table(table: dict, dense: dict) -> str:
+    """One row per backend x pattern x calibration, mean ± std over seeds; the last column says, per
+    metric in order, whether decode-aware beat C4 on that backend x pattern (mean vs mean)."""
+    columns = metric_columns(table)
+    lines = ["| backend | pattern | calibration | seeds | " + " | ".join(label for _, label, _ in columns) + " |",
+             "|" + "---|" * (4 + len(columns))]
+    lines.append("| dense | - | - | - | " + " | ".join(_fmt(dense.get(key)) for key, _, _ in columns) + " |")
+    for method, pattern in sorted({(k[0], k[1]) for k in table}):
+        for calib in CALIBRATIONS:
+            row = table.get((method, pattern, calib))
+            if row is None:
+                continue
+            n = max(v[2] for v in row.values())
+            cells = [_fmt_spread(row.get(key)) for key, _, _ in columns]
+            lines.append(f"| {method} | {pattern} | {CALIB_LABEL[calib]} | {n} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def verdicts(table: dict) -> list[dict]:
+    """Per backend x pattern x metric: does decode-aware beat C4, by how much, and is the gap larger
+    than the seeds' spread (|difference| > std_C4 + std_decode)?"""
+    rows = []
+    for method, pattern in sorted({(k[0], k[1]) for k in table}):
+        c4, dec = table.get((method, pattern, "text")), table.get((method, pattern, "decode"))
+        if not (c4 and dec):
+            continue
+        for key, label, higher_better in metric_columns(table):
+            if key in c4 and key in dec:
+                (m_c4, s_c4, _), (m_dec, s_dec, _) = c4[key], dec[key]
+                better = m_dec > m_c4 if higher_better else m_dec < m_c4
+                rows.append({"method": method, "pattern": pattern, "metric": label, "c4": m_c4, "decode": m_dec,
+                             "decode_better": better, "beyond_spread": abs(m_dec - m_c4) > s_c4 + s_dec})
+    return rows
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.4g}" if abs(value) < 1000 else f"{value:.0f}"
+
+
+def _fmt_spread(cell) -> str:
+    return "-" if cell is None else f"{_fmt(cell[0])} ± {_fmt(cell[1])}"
+
+
+def plot(table: dict, dense: dict, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    columns = [c for c in metric_columns(table)]
+    pairs = sorted({(k[0], k[1]) for k in table})
+    fig, axes = plt.subplots(1, len(columns), figsize=(4.2 * len(columns), 4), squeeze=False)
+    for ax, (key, label, higher_better) in zip(axes[0], columns):
+        x = range(len(pairs))
+        for offset, calib in ((-0.2, "text"), (0.2, "decode")):
+            cells = [table.get((m, p, calib), {}).get(key, (float("nan"), 0.0, 0)) for m, p in pairs]
+            ax.bar([i + offset for i in x], [c[0] for c in cells], width=0.4, yerr=[c[1] for c in cells],
+                   capsize=3, label=CALIB_LABEL[calib])
+        if key in dense:
+            ax.axhline(dense[key], color="black", linestyle=":", label="dense")
+        ax.set_xticks(list(x), [f"{m}\n{p}" for m, p in pairs], fontsize=8)
+        ax.set_title(f"{label} ({'higher' if higher_better else 'lower'} is better)", fontsize=9)
+        if key == "kl" or key == "wikitext2_ppl":
+            ax.set_yscale("log")
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main():
+    parser = argparse.ArgumentParser(description="Decode-aware vs C4 calibration: prune, evaluate, tabulate, plot.")
+    parser.add_argument("--checkpoint", type=Path, required=True, help="dense source checkpoint")
+    parser.add_argument("--workdir", type=Path, required=True, help="pruned checkpoints and cached metrics")
+    parser.add_argument("--methods", nargs="+", default=["sparsegpt", "wanda"])
+    parser.add_argument("--patterns", nargs="+", default=["2:4", "8:16", "50%"])
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--tokens", type=int, default=16384, help="calibration budget, the same for both sources")
+    parser.add_argument("--calib_max_new_tokens", type=int, default=256, help="decode calibration: tokens per prompt")
+    parser.add_argument("--calib_seq_len", type=int, default=512, help="text calibration: window length")
+    parser.add_argument("--prune_args", nargs=argparse.REMAINDER, default=[],
+                        help="passed on to python -m prune (put last)")
+    parser.add_argument("--heldout_code", type=int, default=10, help="HumanEval prompts among the held-out prompts")
+    parser.add_argument("--heldout_limit", type=int, help="use only the first N held-out prompts")
+    parser.add_argument("--max_new_tokens", type=int, default=128, help="length of the dense reference generations")
+    parser.add_argument("--ppl_tokens", type=int, default=32768)
+    parser.add_argument("--seq_len", type=int, default=512, help="perplexity window")
+    parser.add_argument("--tasks", nargs="*", default=[], choices=["humaneval", "mbpp", "classeval"])
+    parser.add_argument("--task_limit", type=int, default=20)
+    parser.add_argument("--task_max_new_tokens", type=int, default=384)
+    parser.add_argument("--batch_size", type=int, default=8)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--out", type=Path, required=True, help="results JSON")
+    parser.add_argument("--plot", type=Path, help="PNG")
+    parser.add_argument("--table", type=Path, help="markdown table")
+    args = parser.parse_args()
+    try:
+        results = run_grid(args)
+    except (*USER_ERRORS, RuntimeError) as e:
+        sys.exit(f"error: {e}")
+    print(results["table_markdown"])
+    for v in results["verdicts"]:
+        print(f"{v['method']:>9} {v['pattern']:>4} {v['metric']:>18}: decode-aware {'beats' if v['decode_better'] else 'loses to'}"
+              f" C4 ({v['decode']:.4g} vs {v['c4']:.4g}){'' if v['beyond_spread'] else ', within seed spread'}")
+
+
+def run_grid(args) -> dict:
+    from evaluation.fidelity import dense_references
+    from evaluation.generation import load_model, load_model_and_tokenizer
+    from evaluation.perplexity import read_text
+
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    calibration, heldout = prompt_split(args.heldout_code)
+    heldout = heldout[: args.heldout_limit]
+    calib_prompts = args.workdir / "calibration_prompts.jsonl"
+    calib_prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in calibration))
+
+    grid = [(m, p, c, s) for m in args.methods for p in args.patterns for c in CALIBRATIONS for s in args.seeds]
+    for method, pattern, calib, seed in tqdm(grid, desc="pruning"):
+        prune(args, method, pattern, calib, seed, calib_prompts, args.workdir / f"{run_name(method, pattern, calib, seed)}.pth")
+
+    dense, tokenizer = load_model_and_tokenizer(args.checkpoint, args.device)
+    wikitext_ids = tokenizer.encode(read_text(data_path("wikitext2_test.raw"), max_chars=8 * args.ppl_tokens))[: args.ppl_tokens]
+    references_path = args.workdir / f"dense_references_{args.max_new_tokens}.json"
+    if references_path.exists():
+        references = [tuple(r) for r in json.loads(references_path.read_text())]
+    else:
+        references = dense_references(dense, tokenizer, heldout, args.max_new_tokens, args.batch_size)
+        write_json_atomic(references_path, references)
+    references = references[: len(heldout)]
+
+    eval_key = f"ppl{args.ppl_tokens}x{args.seq_len}-gen{args.max_new_tokens}-held{len(heldout)}-tasks{'+'.join(args.tasks)}{args.task_limit}"
+    dense_metrics = cached_metrics(args.workdir / f"dense.{eval_key}.json",
+                                   lambda: evaluate_checkpoint(args, dense, dense, tokenizer, references, wikitext_ids))
+    runs = []
+    for method, pattern, calib, seed in tqdm(grid, desc="evaluating"):
+        name = run_name(method, pattern, calib, seed)
+
+        def measure():
+            model = load_model(args.workdir / f"{name}.pth", args.device)
+            return evaluate_checkpoint(args, model, dense, tokenizer, references, wikitext_ids)
+
+        runs.append({"method": method, "pattern": pattern, "calib": calib, "seed": seed,
+                     "metrics": cached_metrics(args.workdir / f"{name}.{eval_key}.json", measure)})
+    table = aggregate(runs)
+    results = {"checkpoint": str(args.checkpoint), "tokens": args.tokens, "heldout_prompts": len(heldout),
+               "decode_tokens_per_model": sum(len(g) for _, g in references), "evaluation": eval_key,
+               "dense": dense_metrics, "runs": runs, "table_markdown": markdown_table(table, dense_metrics),
+               "verdicts": verdicts(table)}
+    write_json_atomic(args.out, results)
+    if args.table:
+        from checkpoint import atomic_write
+        atomic_write(args.table, lambda tmp: Path(tmp).write_text(results["table_markdown"]))
+    if args.plot:
+        plot(table, dense_metrics, args.plot)
+    return results
+
+
+def cached_metrics(path: Path, measure) -> dict:
+    if path.exists():
+        return json.loads(path.read_text())
+    metrics = measure()
+    write_json_atomic(path, metrics)
+    return metrics
+
+
+if __name__ == "__main__":
+    main()
