@@ -101,6 +101,14 @@ def llama3_rope_scaling(hf: dict):
 # Hugging Face tensor names -> our state dict
 
 
+def interleaved_to_half(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Reorder q/k projection rows from interleaved RoPE pairs (x0,x1),(x2,x3).. to rotate-half
+    (x0,x2,..|x1,x3,..) within each head, so our RoPE rotates the pairs the model was trained with.
+    GGUF (llama.cpp permutes Llama's q/k on export) and llama2.c (Meta's layout) both need it."""
+    head_dim = weight.shape[0] // n_heads
+    return weight.reshape(n_heads, head_dim // 2, 2, -1).transpose(1, 2).reshape(weight.shape)
+
+
 def hf_sources(config: ModelArgs) -> dict[str, list[str]]:
     """Our key -> the Hugging Face tensors it is made of. Fused weights concatenate their sources'
     rows: wqkv = [q; k; v], w13 = [gate; up]."""

@@ -3,7 +3,7 @@
 Used by convert_hf.py (`--gguf FILE`, `--embedded-smollm2`). Three things differ from a Hugging Face folder:
 - tensors may be quantized (Q4_1, Q8_0, ...): the `gguf` package dequantizes them to float32;
 - llama.cpp stores q/k rows of each head in interleaved-pair RoPE order, ours is rotate-half: we undo
-  its permutation (the same one llama2.c checkpoints need, see `interleaved_to_half`);
+  its permutation (llama2.c checkpoints need the same, see convert_hf.interleaved_to_half);
 - there is no tokenizer.json: we build one from the vocabulary, merges and token types with the
   `tokenizers` package, and write a tokenizer_config.json that records the special tokens and the
   GGUF's chat template (tokenizer.py reads which template applies from it).
@@ -13,7 +13,7 @@ import json
 import numpy as np
 import torch
 
-from scripts.convert_hf import ConversionError, LazyTensors
+from scripts.convert_hf import ConversionError, interleaved_to_half
 from model import ModelArgs
 
 GGUF_TO_HF_NAMES = {
@@ -26,13 +26,6 @@ GGUF_TO_HF_NAMES = {
 
 # llama.cpp token types (tokenizer.ggml.token_type)
 CONTROL, USER_DEFINED = 3, 4
-
-
-def interleaved_to_half(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Reorder q/k projection rows from interleaved RoPE pairs (x0,x1),(x2,x3).. to rotate-half
-    (x0,x2,..| x1,x3,..) per head, so our RoPE rotates the same pairs the original model did."""
-    head_dim = weight.shape[0] // n_heads
-    return weight.reshape(n_heads, head_dim // 2, 2, -1).transpose(1, 2).reshape(weight.shape)
 
 
 def read_gguf(path):

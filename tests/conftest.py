@@ -2,6 +2,8 @@
 
 Tests that need a real model skip with the reason when it is absent; nothing is downloaded.
 """
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -86,10 +88,11 @@ def smollm2_gguf() -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_checkpoint(smollm2_gguf, tmp_path_factory) -> Path:
-    """SmolLM2-135M-Instruct converted to our format in float32: <folder>/model.pth + tokenizer files."""
-    from scripts.convert_hf import convert_gguf
+    """SmolLM2-135M-Instruct converted in float32 by the README's one-liner: <folder>/model.pth + tokenizer."""
     out = tmp_path_factory.mktemp("smollm2")
-    convert_gguf(smollm2_gguf, out, torch.float32)
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "convert_hf.py"), "--embedded-smollm2",
+                           "--out", str(out), "--dtype", "float32"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
     return out / "model.pth"
 
 

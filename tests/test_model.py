@@ -1,0 +1,92 @@
+"""model.py (through convert_hf.py) against transformers: same logits for the same tokens, for a full
+prefill and for token-by-token decode through the KV cache; and the real models we have offline.
+
+Logits are compared in float32 within 1e-4 absolute (+1e-5 relative, which only matters for the
+30-layer SmolLM2 whose logits reach ~35: summation order differs between the two implementations).
+"""
+import pytest
+import torch
+
+from checkpoint import load_checkpoint
+from model import Transformer
+from scripts.convert_hf import convert_hf_folder
+from conftest import TINY_HF_CONFIGS
+
+TOLERANCE = dict(atol=1e-4, rtol=1e-5)
+
+
+def load_ours(checkpoint_path, max_seq_length):
+    state_dict, config, _ = load_checkpoint(checkpoint_path)
+    model = Transformer(config)
+    model.load_state_dict(state_dict)
+    model.setup_caches(max_batch_size=1, max_seq_length=max_seq_length)
+    return model.eval()
+
+
+@torch.no_grad()
+def assert_logits_match(ours: Transformer, reference, tokens: torch.Tensor):
+    """Prefill of the whole sequence, then a fresh cache fed one token at a time, both against
+    transformers' logits for the whole sequence."""
+    expected = reference(tokens).logits
+    positions = torch.arange(tokens.shape[1])
+    torch.testing.assert_close(ours(tokens, positions), expected, **TOLERANCE)
+    # Decode from the first token on: each step sees the earlier ones only through the KV cache.
+    # (Stale cache slots beyond the current position are masked, so the cache needs no reset.)
+    single_steps = [ours(tokens[:, t:t + 1], positions[t:t + 1]) for t in range(tokens.shape[1])]
+    torch.testing.assert_close(torch.cat(single_steps, dim=1), expected, **TOLERANCE)
+
+
+@pytest.mark.parametrize("layout", ["single", "sharded", "bin"])
+@pytest.mark.parametrize("name", list(TINY_HF_CONFIGS))
+def test_tiny_hf_model_matches_transformers(tiny_hf_folder, tmp_path, name, layout):
+    folder, reference = tiny_hf_folder(name, layout)
+    convert_hf_folder(folder, tmp_path, dtype=torch.float32)
+    ours = load_ours(tmp_path / "model.pth", max_seq_length=64)
+    assert ours.config.tie_embeddings == reference.config.tie_word_embeddings
+    tokens = torch.randint(0, reference.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(1))
+    assert_logits_match(ours, reference, tokens)
+
+
+@pytest.fixture(scope="module")
+def smollm2_reference(smollm2_gguf):
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate", reason="transformers needs accelerate to load a GGUF")
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, dtype=torch.float32).eval()
+
+
+CHAT = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+LONG_ANSWER_CHAT = [{"role": "user", "content": "Write a short story about a robot who learns to paint."}]
+
+
+def test_smollm2_logits_match_transformers_gguf(smollm2_checkpoint, smollm2_reference):
+    from tokenizer import load_tokenizer
+    tokens = torch.tensor([load_tokenizer(smollm2_checkpoint.parent).encode_chat(CHAT)])
+    ours = load_ours(smollm2_checkpoint, max_seq_length=tokens.shape[1])
+    assert ours.config.n_layer == 30 and ours.config.dim == 576 and ours.config.tie_embeddings
+    assert_logits_match(ours, smollm2_reference, tokens)
+
+
+def test_smollm2_greedy_matches_transformers_generate(smollm2_checkpoint, smollm2_reference):
+    from generate import generate, load_model
+    from tokenizer import load_tokenizer
+    tokenizer = load_tokenizer(smollm2_checkpoint.parent)
+    prompt = torch.tensor(tokenizer.encode_chat(LONG_ANSWER_CHAT))
+    expected = smollm2_reference.generate(prompt[None], max_new_tokens=32, do_sample=False,
+                                          attention_mask=torch.ones(1, len(prompt), dtype=torch.long))[0]
+    model = load_model(smollm2_checkpoint, device="cpu", dtype=torch.float32)
+    result = generate(model, [prompt], max_new_tokens=32, eos_ids=tokenizer.eos_ids)
+    assert len(result.new_tokens[0]) == 32  # the story does not end within 32 tokens
+    assert result.sequences[0].tolist() == expected.tolist()
+    assert "robot" in tokenizer.decode(result.new_tokens[0]).lower()
+
+
+def test_stories260k_greedy_from_bos(stories260k_dir, tmp_path):
+    from generate import generate, load_model
+    from scripts.convert_hf import convert_llama2c
+    from tokenizer import load_tokenizer
+    convert_llama2c(stories260k_dir / "stories260K.bin", tmp_path)
+    model = load_model(tmp_path / "model.pth", device="cpu", dtype=torch.float32)
+    tokenizer = load_tokenizer(tmp_path)
+    result = generate(model, [torch.tensor([tokenizer.bos_id])], max_new_tokens=20, eos_ids=tokenizer.eos_ids)
+    assert tokenizer.decode(result.sequences[0]).startswith("Once upon a time, there was a little girl named Lily")
