@@ -11,9 +11,10 @@ tok*.bin (llama2.c).
 
 Which chat template applies is read from what the conversion copied next to the tokenizer
 (tokenizer_config.json's `chat_template`, or chat_template.jinja), by the markers each template
-writes: "<|start_header_id|>" -> llama3, "<|im_start|>" with "<think>" -> qwen3, other
-"<|im_start|>" -> chatml. We render these three in Python rather than running Jinja; the tests
-check each against transformers' apply_chat_template on the published templates.
+writes: "<|start_header_id|>" -> llama3 (llama3.1 if it adds the "Cutting Knowledge Date" system
+header), "<|im_start|>" with "<think>" -> qwen3, other "<|im_start|>" -> chatml. We render these in
+Python rather than running Jinja; the tests check each against transformers' apply_chat_template on
+the published templates.
 """
 import base64
 import json
@@ -30,7 +31,10 @@ LLAMA3_NAMED_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_spe
                          "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>", "<|python_tag|>"]
 LLAMA3_N_SPECIALS = 256
 
-CHAT_END_TOKENS = {"llama3": "<|eot_id|>", "qwen3": "<|im_end|>", "chatml": "<|im_end|>"}
+CHAT_END_TOKENS = {"llama3": "<|eot_id|>", "llama3.1": "<|eot_id|>", "qwen3": "<|im_end|>", "chatml": "<|im_end|>"}
+# Llama-3.1/3.3 open every chat with this system header. Their template's default date; Llama-3.2's
+# template uses today's date instead, which we do not follow (a prompt should not change by the day).
+LLAMA31_SYSTEM_PREAMBLE = "Cutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\n"
 
 
 class Tokenizer:
@@ -40,7 +44,7 @@ class Tokenizer:
                  default_system_prompt: Optional[str] = None, add_bos: bool = False):
         self.bos_id = bos_id
         self.eos_ids = set(eos_ids)
-        self.chat_template = chat_template  # "llama3", "qwen3", "chatml" or None
+        self.chat_template = chat_template  # "llama3", "llama3.1", "qwen3", "chatml" or None
         self.default_system_prompt = default_system_prompt  # ChatML templates that insert one (SmolLM2)
         self.add_bos = add_bos  # whether the model expects BOS in front of plain text
 
@@ -283,7 +287,7 @@ def chat_template_name(jinja: Optional[str]) -> Optional[str]:
     if not jinja:
         return None
     if "<|start_header_id|>" in jinja:
-        return "llama3"
+        return "llama3.1" if "Cutting Knowledge Date" in jinja else "llama3"
     if "<|im_start|>" in jinja:
         return "qwen3" if "<think>" in jinja else "chatml"
     return None
@@ -297,9 +301,15 @@ def default_system_prompt(jinja: Optional[str]) -> Optional[str]:
 
 def render_chat(template: str, messages: list[dict], add_generation_prompt: bool = True,
                 default_system: Optional[str] = None) -> str:
-    if template == "llama3":
-        text = "<|begin_of_text|>" + "".join(f"<|start_header_id|>{m['role']}<|end_header_id|>\n\n"
-                                             f"{m['content'].strip()}<|eot_id|>" for m in messages)
+    if template in ("llama3", "llama3.1"):
+        text = "<|begin_of_text|>"
+        if template == "llama3.1":  # the system turn is always there, its message after the preamble
+            system = ""
+            if messages and messages[0]["role"] == "system":
+                system, messages = messages[0]["content"].strip(), messages[1:]
+            text += f"<|start_header_id|>system<|end_header_id|>\n\n{LLAMA31_SYSTEM_PREAMBLE}{system}<|eot_id|>"
+        text += "".join(f"<|start_header_id|>{m['role']}<|end_header_id|>\n\n{m['content'].strip()}<|eot_id|>"
+                        for m in messages)
         return text + ("<|start_header_id|>assistant<|end_header_id|>\n\n" if add_generation_prompt else "")
     if template == "chatml":
         if default_system and messages and messages[0]["role"] != "system":
@@ -329,7 +339,8 @@ def render_qwen3(messages: list[dict], add_generation_prompt: bool) -> str:
             reasoning = content.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
             content = content.split("</think>")[-1].lstrip("\n")
         if i > last_user and (i == len(messages) - 1 or reasoning):
-            text += f"<|im_start|>assistant\n<think>\n{reasoning.strip(chr(10))}\n</think>\n\n{content.lstrip(chr(10))}"
+            reasoning, content = reasoning.strip("\n"), content.lstrip("\n")
+            text += f"<|im_start|>assistant\n<think>\n{reasoning}\n</think>\n\n{content}"
         else:
             text += f"<|im_start|>assistant\n{content}"
         text += "<|im_end|>\n"

@@ -11,7 +11,7 @@ from tokenizer import (Llama2cTokenizer, SentencePieceTokenizer, TiktokenTokeniz
 
 DATA = Path(__file__).parent / "data"
 TEMPLATES = {name: (DATA / f"{file}_chat_template.jinja").read_text()
-             for name, file in [("llama3", "llama3"), ("qwen3", "qwen3"), ("chatml", "smollm2")]}
+             for name, file in [("llama3", "llama3"), ("llama3.1", "llama31"), ("qwen3", "qwen3"), ("chatml", "smollm2")]}
 
 TEXTS = [
     "Hello, world!",
@@ -31,6 +31,8 @@ CONVERSATIONS = [
      {"role": "user", "content": "Tell me a joke.\n"}],
     [{"role": "system", "content": "S"}, {"role": "user", "content": "q1"},
      {"role": "assistant", "content": "<think>\nhmm\n</think>\n\nanswer one"}, {"role": "user", "content": "q2"}],
+    [{"role": "user", "content": "q"}, {"role": "assistant", "content": "<think>\nstep\n</think>\n\nfinal"}],
+    [{"role": "user", "content": "q"}, {"role": "assistant", "content": "plain answer"}],
 ]
 
 
@@ -77,7 +79,7 @@ def jinja_renderer():
                                                 bos_token="<|begin_of_text|>")
 
 
-@pytest.mark.parametrize("template", ["llama3", "qwen3", "chatml"])
+@pytest.mark.parametrize("template", list(TEMPLATES))
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 def test_chat_templates_match_published_jinja(jinja_renderer, template, add_generation_prompt):
     jinja = TEMPLATES[template]
@@ -93,7 +95,7 @@ def test_chat_templates_match_published_jinja(jinja_renderer, template, add_gene
 def test_template_names_and_default_system_prompt():
     assert chat_template_name(None) is None and chat_template_name("{{ messages }}") is None
     assert default_system_prompt(TEMPLATES["qwen3"]) is None
-    assert default_system_prompt(TEMPLATES["llama3"]) is None
+    assert default_system_prompt(TEMPLATES["llama3"]) is None and default_system_prompt(TEMPLATES["llama3.1"]) is None
     qwen25_style = "{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud.<|im_end|>\\n' }}"
     assert default_system_prompt(qwen25_style) == "You are Qwen, created by Alibaba Cloud."
 
