@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
+import torch._inductor.config
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 

@@ -1,0 +1,230 @@
+"""End-to-end decode speed on the GPU: dense vs N:M sparse, through the real generate() loop.
+
+    python scripts/bench_decode.py --models Llama-3.1-8B,Qwen3-8B,Qwen3-14B,Qwen3-32B \
+        --patterns dense,2:4,4:8,8:16,16:32 --batch_sizes 1,4,8 --out runs/bench_decode
+    python scripts/bench_decode.py --models Llama-3.1-8B --patterns dense --batch_sizes 1 --gptfast .gptfast
+
+Each model is a named shape (ModelArgs.from_name) with random bf16 weights made directly on the
+GPU; speed does not depend on the values, but zeros would flatter the hardware, so they are
+random. A sparse pattern keeps the N largest |w| of every M-group (a valid mask) via
+sparse.swap_to_sparse; the lm_head stays dense.
+
+Protocol (the paper's): a 512-token random prompt, 256 new tokens, generate(compile=True) so the
+decode step is one CUDA graph. The first generate() call compiles and warms up; in the second,
+each decode step is timed with CUDA events and we report the median over the steps after the
+first `--warmup_steps`. GB/s = bytes one step reads (generate.bytes_read_per_step: weights once,
+KV cache over all slots) / median step time. The bound speedup of a sparse pattern is dense
+bytes / sparse bytes at the same batch size: what a purely bandwidth-bound decode would gain.
+
+`--gptfast DIR` also times GPT-Fast's own dense decode of the same shape, side by side: DIR holds
+a copy of pytorch-labs/gpt-fast plus a driver `decode_driver.py` that builds its Transformer with
+random weights and times its decode_n_tokens the same way (run in a subprocess, since both
+projects name their modules model.py / generate.py). Results go to OUT/bench_decode.json and .md.
+"""
+import argparse
+import gc
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import generate  # noqa: E402
+from checkpoint import atomic_write  # noqa: E402
+from model import ModelArgs, Transformer  # noqa: E402
+
+GPTFAST_NAMES = {"Llama-3.1-8B": "llama-3.1-8b", "Meta-Llama-3-8B": "llama-3-8b"}  # shapes GPT-Fast knows
+
+
+def random_model(name: str, device="cuda", dtype=torch.bfloat16) -> Transformer:
+    """The named shape with random weights, allocated and filled on the device (no CPU copy)."""
+    with torch.device("meta"):
+        model = Transformer(ModelArgs.from_name(name)).to(dtype)
+    model = model.to_empty(device=device)  # bf16 from the start: Qwen3-32B in fp32 would not fit
+    if model.config.tie_embeddings:
+        model.output.weight = model.tok_embeddings.weight
+    with torch.no_grad():
+        for param_name, p in model.named_parameters():
+            if param_name.endswith("norm.weight"):
+                p.uniform_(0.8, 1.2)
+            else:
+                p.normal_(0.0, 0.02)
+    return model.eval()
+
+
+def dense_bytes(name: str, batch_size: int, args) -> int:
+    """Bytes one dense decode step of this shape reads, counted on a meta-device model (no memory)."""
+    with torch.device("meta"):
+        model = Transformer(ModelArgs.from_name(name)).to(torch.bfloat16)
+    model.setup_caches(batch_size, args.prompt_length + args.new_tokens)
+    return generate.bytes_read_per_step(model, batch_size)["total"]
+
+
+def time_decode(model, batch_size: int, args) -> dict:
+    """Warm-up generate() (compiles), then a timed one; the median step time after warm-up steps."""
+    prompts = [torch.randint(0, model.config.vocab_size, (args.prompt_length,)) for _ in range(batch_size)]
+    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=0, compile=True)
+    start = time.perf_counter()
+    generate.generate(model, prompts, args.new_tokens, **sampling)
+    warmup_s = time.perf_counter() - start
+    result = generate.generate(model, prompts, args.new_tokens, **sampling)
+    measured = result.step_times_s[args.warmup_steps:]
+    if len(measured) < 50:
+        raise ValueError(f"only {len(measured)} measured steps; raise --new_tokens above {args.warmup_steps + 51}")
+    return dict(median_step_s=statistics.median(measured), measured_steps=len(measured),
+                first_call_s=round(warmup_s, 1))
+
+
+def run_gptfast(gptfast_dir: Path, model_name: str, batch_size: int, args, timeout_s: float) -> dict:
+    command = [sys.executable, str(gptfast_dir / "decode_driver.py"), "--model", GPTFAST_NAMES[model_name],
+               "--batch_size", str(batch_size), "--prompt_length", str(args.prompt_length),
+               "--new_tokens", str(args.new_tokens), "--warmup_steps", str(args.warmup_steps),
+               "--temperature", str(args.temperature), "--top_k", str(args.top_k or 0)]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return dict(error=f"timed out after {timeout_s:.0f} s")
+    if done.returncode != 0:
+        return dict(error=(done.stderr.strip().splitlines() or ["failed"])[-1])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def free(model):
+    """Drop a model and everything compiled against it, so the next one starts with an empty GPU."""
+    del model
+    torch._dynamo.reset()  # also frees the CUDA-graph pools that hold the old weights
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def bench(args) -> list:
+    rows, start = [], time.perf_counter()
+    remaining = lambda: args.deadline_s - (time.perf_counter() - start)  # noqa: E731
+    for name in args.models:
+        dense_step_s = {}  # batch size -> our dense median step, for the speedup columns
+        for pattern in args.patterns:
+            rows += bench_pattern(name, pattern, dense_step_s, remaining, args)
+            if pattern == "dense" and args.gptfast and name in GPTFAST_NAMES:
+                rows += bench_gptfast(name, dense_step_s, remaining, args)
+    return rows
+
+
+def bench_pattern(name: str, pattern: str, dense_step_s: dict, remaining, args) -> list:
+    """Our generate() on one model shape and pattern, at every batch size."""
+    if remaining() <= 0:
+        return [dict(model=name, pattern=pattern, error="skipped: past --deadline_s")]
+    torch.cuda.reset_peak_memory_stats()
+    model = random_model(name)
+    model.setup_caches(max(args.batch_sizes), args.prompt_length + args.new_tokens)
+    if pattern != "dense":
+        import sparse
+
+        sparse.swap_to_sparse(model, pattern)  # lm_head stays dense
+    rows = []
+    for batch_size in args.batch_sizes:
+        row = dict(model=name, pattern=pattern, batch=batch_size, engine="ours")
+        if remaining() <= 0:
+            rows.append(dict(row, error="skipped: past --deadline_s"))
+            continue
+        step_bytes = generate.bytes_read_per_step(model, batch_size)["total"]
+        timing = time_decode(model, batch_size, args)
+        step_s = timing["median_step_s"]
+        if pattern == "dense":
+            dense_step_s[batch_size] = step_s
+        row.update(timing, **throughput(step_s, batch_size, step_bytes, args.copy_bandwidth),
+                   bound_speedup=round(dense_bytes(name, batch_size, args) / step_bytes, 3),
+                   checkpoint_gb=round(generate.state_dict_bytes(model) / 1e9, 2),
+                   peak_memory_gb=round(torch.cuda.max_memory_allocated() / 1e9, 2))
+        if batch_size in dense_step_s:
+            row["speedup"] = round(dense_step_s[batch_size] / step_s, 3)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    free(model)
+    return rows
+
+
+def bench_gptfast(name: str, dense_step_s: dict, remaining, args) -> list:
+    """GPT-Fast's dense decode of the same shape; its GB/s uses our byte count for that shape."""
+    rows = []
+    for batch_size in args.batch_sizes:
+        row = dict(model=name, pattern="dense", batch=batch_size, engine="gpt-fast")
+        if remaining() < 30:
+            rows.append(dict(row, error="skipped: past --deadline_s"))
+            continue
+        result = run_gptfast(args.gptfast, name, batch_size, args, timeout_s=remaining())
+        if "median_step_s" in result:
+            step_s = result["median_step_s"]
+            result.update(throughput(step_s, batch_size, dense_bytes(name, batch_size, args), args.copy_bandwidth))
+            if batch_size in dense_step_s:
+                row["ours_vs_gptfast"] = round(step_s / dense_step_s[batch_size], 3)
+        rows.append(dict(row, **result))
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def throughput(step_s: float, batch_size: int, step_bytes: int, copy_bandwidth: float) -> dict:
+    return dict(median_step_ms=round(step_s * 1e3, 3), tok_s=round(1 / step_s, 1),
+                tok_s_all_rows=round(batch_size / step_s, 1), step_gb=round(step_bytes / 1e9, 3),
+                gb_s=round(step_bytes / step_s / 1e9), pct_of_copy=round(100 * step_bytes / step_s / copy_bandwidth, 1))
+
+
+COLUMNS = ["model", "pattern", "batch", "engine", "tok_s", "tok_s_all_rows", "median_step_ms", "gb_s", "pct_of_copy",
+           "step_gb", "bound_speedup", "speedup", "ours_vs_gptfast", "checkpoint_gb", "peak_memory_gb", "error"]
+
+
+def markdown_table(rows) -> str:
+    used = [c for c in COLUMNS if any(c in r for r in rows)]
+    lines = ["| " + " | ".join(used) + " |", "|" + "---|" * len(used)]
+    lines += ["| " + " | ".join(str(r.get(c, "")) for c in used) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def environment() -> dict:
+    import triton
+
+    return dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), gpu=torch.cuda.get_device_name(),
+                torch=torch.__version__, triton=triton.__version__, command=" ".join(sys.argv))
+
+
+def parse_args(argv=None):
+    split = lambda text: [s.strip() for s in text.split(",") if s.strip()]  # noqa: E731
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", type=split, default=["Llama-3.1-8B"])
+    p.add_argument("--patterns", type=split, default=["dense"], help="dense and/or N:M patterns, e.g. dense,2:4")
+    p.add_argument("--batch_sizes", type=lambda s: [int(b) for b in split(s)], default=[1])
+    p.add_argument("--prompt_length", type=int, default=512)
+    p.add_argument("--new_tokens", type=int, default=256)
+    p.add_argument("--warmup_steps", type=int, default=50, help="decode steps of the timed call left out")
+    p.add_argument("--temperature", type=float, default=0.8, help="GPT-Fast's defaults, for a like-for-like run")
+    p.add_argument("--top_k", type=int, default=200)
+    p.add_argument("--top_p", type=float, default=None)
+    p.add_argument("--copy_bandwidth", type=float, default=4.27e12, help="measured device copy, bytes/s")
+    p.add_argument("--gptfast", type=Path, help="folder with gpt-fast + decode_driver.py: time it side by side")
+    p.add_argument("--deadline_s", type=float, default=float("inf"), help="start nothing new after this long")
+    p.add_argument("--out", type=Path, default=Path("runs/bench_decode"))
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("error: bench_decode.py needs a CUDA GPU")
+    torch._dynamo.config.cache_size_limit = 64  # one compiled step per (model, batch size)
+    env, rows = environment(), []
+    try:
+        rows = bench(args)
+    finally:  # keep what was measured even if a later configuration fails
+        args.out.mkdir(parents=True, exist_ok=True)
+        results = json.dumps(dict(environment=env, rows=rows), indent=1)
+        atomic_write(args.out / "bench_decode.json", lambda tmp: Path(tmp).write_text(results))
+        table = "\n".join(f"{k}: {v}" for k, v in env.items()) + "\n\n" + markdown_table(rows) + "\n"
+        atomic_write(args.out / "bench_decode.md", lambda tmp: Path(tmp).write_text(table))
+        print(table)
+
+
+if __name__ == "__main__":
+    main()
