@@ -46,11 +46,14 @@ class Tokenizer:
         self.eos_ids = set(eos_ids)
         self.chat_template = chat_template  # "llama3", "llama3.1", "qwen3", "chatml" or None
         self.default_system_prompt = default_system_prompt  # ChatML templates that insert one (SmolLM2)
-        self.add_bos = add_bos  # whether the model expects BOS in front of plain text
+        self.add_bos = add_bos and bos_id is not None  # the model was trained with BOS at the start
 
     def encode(self, text: str, bos: bool = False) -> list[int]:
+        """bos=True says the text starts a sequence: it then gets the BOS token if the model was trained
+        with one (Llama, llama2.c) and nothing if not (Qwen3, SmolLM2, whose configs name a "bos" token
+        that their own tokenizers never prepend)."""
         ids = self._encode(text)
-        return [self.bos_id] + ids if bos and self.bos_id is not None else ids
+        return [self.bos_id] + ids if bos and self.add_bos else ids
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         if self.chat_template is None:
@@ -134,7 +137,9 @@ class TiktokenTokenizer(Tokenizer):
         self.encoding = tiktoken.Encoding(path.name, pat_str=LLAMA3_SPLIT, mergeable_ranks=ranks,
                                           special_tokens=specials)
         eos = {specials["<|end_of_text|>"], specials["<|eot_id|>"], specials["<|eom_id|>"]}
-        super().__init__(specials["<|begin_of_text|>"], eos, chat_template="llama3", add_bos=True)
+        # Llama-3 and 3.1 share this file; a tokenizer_config.json beside it tells their templates apart.
+        template = chat_template_name(read_tokenizer_config(path.parent).get("chat_template")) or "llama3"
+        super().__init__(specials["<|begin_of_text|>"], eos, chat_template=template, add_bos=True)
 
     def _encode(self, text):
         return self.encoding.encode(text, allowed_special="all")

@@ -1,6 +1,7 @@
 """tokenizer.py against independent references: transformers' GGUF tokenizer and apply_chat_template,
 sentencepiece and tiktoken themselves, and llama2.c's tokenizer file."""
 import base64
+import json
 import io
 from pathlib import Path
 
@@ -61,6 +62,7 @@ def test_smollm2_special_ids_and_template(smollm2_tokenizer):
     assert tok.default_system_prompt == "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
     assert tok.encode("<|im_end|>") == [2] and 2 in tok.eos_ids
     assert tok.add_bos is False and tok.vocab_size == 49152
+    assert tok.encode("Hi", bos=True) == tok.encode("Hi")  # SmolLM2 is not trained with a BOS token
 
 
 def test_smollm2_encode_chat_matches_transformers(smollm2_tokenizer, hf_gguf_tokenizer):
@@ -122,6 +124,9 @@ def test_tiktoken_file_loads_and_round_trips(tmp_path):
     chat = tok.encode_chat([{"role": "user", "content": "hello"}])
     assert chat[:2] == [n_ranks, n_ranks + 6]  # <|begin_of_text|><|start_header_id|>
     assert tok.decode(chat) == render_chat("llama3", [{"role": "user", "content": "hello"}])
+    # Llama-3.1 ships the same file; its tokenizer_config.json beside it selects the 3.1 template.
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATES["llama3.1"]}))
+    assert load_tokenizer(tmp_path).chat_template == "llama3.1"
 
 
 def test_sentencepiece_model_loads(tmp_path):
@@ -160,3 +165,30 @@ def test_find_tokenizer(tmp_path):
     assert find_tokenizer(elsewhere, metadata={"tokenizer_dir": str(folder)}) == folder
     with pytest.raises(FileNotFoundError, match="no tokenizer"):
         find_tokenizer(elsewhere, metadata={})
+
+
+def test_hf_folder_of_a_llama31_style_model(tmp_path):
+    """tokenizer.json whose post-processor adds BOS, tokenizer_config.json with the chat template,
+    generation_config.json with several eos ids: the layout of the Llama-3.1 hub repos."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+    vocab = {c: i for i, c in enumerate(["\n"] + [chr(c) for c in range(32, 127)])}  # one token per character
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="?"))
+    backend.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    backend.add_special_tokens(specials)
+    bos, eos, eot = (backend.token_to_id(t) for t in ("<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"))
+    backend.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A",
+                                                           special_tokens=[("<|begin_of_text|>", bos)])
+    backend.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "chat_template": TEMPLATES["llama3.1"]}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos, eot]}))
+
+    tok = load_tokenizer(tmp_path)
+    assert tok.chat_template == "llama3.1" and tok.add_bos and tok.bos_id == bos
+    assert tok.eos_ids == {eos, eot}
+    assert tok.encode("hi", bos=True) == [bos, vocab["h"], vocab["i"]]
+    chat = tok.encode_chat([{"role": "user", "content": "hi"}])
+    assert chat[0] == bos and chat.count(bos) == 1
+    assert tok.decode(chat) == render_chat("llama3.1", [{"role": "user", "content": "hi"}])
