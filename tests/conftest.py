@@ -43,7 +43,7 @@ def make_tiny_hf_model(name: str, seed: int = 0):
             if "norm" in param_name:
                 p.copy_(1 + 0.2 * torch.randn_like(p))
             else:
-                p.normal_(0, 0.3 / p.shape[-1] ** 0.5 * 4)
+                p.normal_(0, 1.2 / p.shape[-1] ** 0.5)
     return model
 
 

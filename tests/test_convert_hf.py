@@ -2,6 +2,7 @@
 how they refuse bad input (one clear line, exit code != 0, nothing written)."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -37,7 +38,8 @@ def assert_one_line_error(done, *fragments):
 
 
 def test_conversion_writes_checkpoint_config_and_tokenizer_files(tiny_hf_folder, tmp_path):
-    folder, reference = tiny_hf_folder("qwen3")
+    shared_folder, reference = tiny_hf_folder("qwen3")
+    folder = shutil.copytree(shared_folder, tmp_path / "hf")  # the session's copy stays as it was
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (folder / name).write_text("{}")
     done = run_script("convert_hf.py", folder, "--out", tmp_path / "out")
