@@ -19,6 +19,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.testing import do_bench
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_SPMV_BATCH = 16
@@ -54,33 +55,65 @@ def _pop_next_column(word, INTERPRETER_SAFE: tl.constexpr):
 
 
 @triton.jit
-def _gather_lanes(pairs_ptr, index, LANES: tl.constexpr):
+def _gather_lanes(pairs_ptr, pair_stride, LANES: tl.constexpr):
     """x[column, 0:LANES] for every row, as float32 [rows, LANES] held in each thread's registers.
 
-    x is float32 (in, batch) viewed as int64, so one 8-byte gather brings two lanes. Lanes are
-    put side by side with join/permute/reshape, which only relabel registers; a plain 2-D gather
-    makes Triton pick a layout that differs from the rows' and shuffle through shared memory.
+    x is laid out pair-major, (LANES/2, in) int64 with two float32 lanes per element, so at one
+    step every lane of a warp reads the same 256-byte chunk (2 cache lines) whatever its column.
+    Lanes are put side by side with join/permute/reshape, which only relabel registers; a plain
+    2-D gather makes Triton pick a layout that differs from the rows' and shuffle through shared
+    memory.
     """
     if LANES == 2:
-        bits = tl.load(pairs_ptr + index, cache_modifier=".ca")
+        bits = tl.load(pairs_ptr, cache_modifier=".ca")
         low = bits.to(tl.uint32).to(tl.float32, bitcast=True)
         high = (bits >> 32).to(tl.uint32).to(tl.float32, bitcast=True)
         lanes = tl.join(low, high)
     else:
-        low = _gather_lanes(pairs_ptr, index, LANES // 2)
-        high = _gather_lanes(pairs_ptr, index + LANES // 4, LANES // 2)
+        low = _gather_lanes(pairs_ptr, pair_stride, LANES // 2)
+        high = _gather_lanes(pairs_ptr + (LANES // 4) * pair_stride, pair_stride, LANES // 2)
         lanes = tl.reshape(tl.permute(tl.join(low, high), (0, 2, 1)), (low.shape[0], LANES))
     return lanes
 
 
 @triton.jit
+def _load_word_values(ptrs, row_ok, n_rows, STEPS: tl.constexpr):
+    """The STEPS values of one word for every row, as a register tile built by tl.join (first
+    half, second half) so `_multiply_word` can take it apart again with tl.split, for free."""
+    if STEPS == 1:
+        tile = tl.load(ptrs, mask=row_ok, other=0.0, cache_modifier=".cg")
+    else:
+        first = _load_word_values(ptrs, row_ok, n_rows, STEPS // 2)
+        second = _load_word_values(ptrs + (STEPS // 2) * n_rows, row_ok, n_rows, STEPS // 2)
+        tile = tl.join(first, second)
+    return tile
+
+
+@triton.jit
+def _multiply_word(acc, tile, word, x_chunk, x_pair_stride, STEPS: tl.constexpr, BATCH: tl.constexpr,
+                   INTERPRETER_SAFE: tl.constexpr):
+    """acc += value * x[column] over the word's kept columns, lowest first (fixed trip count)."""
+    if STEPS == 1:
+        column, word = _pop_next_column(word, INTERPRETER_SAFE)
+        if BATCH == 1:
+            x = tl.load((x_chunk + column)[:, None], cache_modifier=".ca").to(tl.float32)
+        else:
+            x = _gather_lanes(x_chunk + column, x_pair_stride, BATCH)
+        acc += tile.to(tl.float32)[:, None] * x
+    else:
+        first, second = tl.split(tile)
+        acc, word = _multiply_word(acc, first, word, x_chunk, x_pair_stride, STEPS // 2, BATCH, INTERPRETER_SAFE)
+        acc, word = _multiply_word(acc, second, word, x_chunk, x_pair_stride, STEPS // 2, BATCH, INTERPRETER_SAFE)
+    return acc, word
+
+
+@triton.jit
 def _spmv_kernel(x_ptr, values_ptr, mask_ptr, y_ptr, workspace_ptr, arrivals_ptr,
-                 n_rows, n_words, words_per_split,
+                 n_rows, n_words, words_per_split, x_pair_stride,
                  NNZ_PER_WORD: tl.constexpr, BATCH: tl.constexpr, BLOCK_ROWS: tl.constexpr,
                  INTERPRETER_SAFE: tl.constexpr):
     """y[:BATCH, rows] = x @ W[rows].T. x: (in,) in any float dtype if BATCH == 1, else float32
-    (in, BATCH) viewed as int64 pairs; BATCH is a power of two."""
-    X_ELEMENTS_PER_COLUMN: tl.constexpr = 1 if BATCH == 1 else BATCH // 2
+    pairs (BATCH/2, in) viewed as int64; BATCH and NNZ_PER_WORD are powers of two."""
     row_block = tl.program_id(0)
     split = tl.program_id(1)
     rows = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
@@ -89,21 +122,21 @@ def _spmv_kernel(x_ptr, values_ptr, mask_ptr, y_ptr, workspace_ptr, arrivals_ptr
     acc = tl.zeros([BLOCK_ROWS, BATCH], dtype=tl.float32)
     k_begin = split * words_per_split
     k_end = tl.minimum(k_begin + words_per_split, n_words)
+    # Rows past the end read an all-ones word: the scan then stays inside this chunk of x, and
+    # their values read as zero.
+    next_word = tl.load(mask_ptr + k_begin * n_rows + rows, mask=row_ok, other=-1, cache_modifier=".cg")
+    next_tile = _load_word_values(values_ptr + k_begin * NNZ_PER_WORD * n_rows + rows, row_ok, n_rows, NNZ_PER_WORD)
     for k in range(k_begin, k_end):
-        # Rows past the end read an all-ones word: the scan then stays inside this chunk of x,
-        # and their values read as zero.
-        word = tl.load(mask_ptr + k * n_rows + rows, mask=row_ok, other=-1, cache_modifier=".cg")
-        word = _prepare_word(word, INTERPRETER_SAFE)
-        x_chunk = x_ptr + k * 32 * X_ELEMENTS_PER_COLUMN
-        for step in tl.static_range(NNZ_PER_WORD):
-            value = tl.load(values_ptr + (k * NNZ_PER_WORD + step) * n_rows + rows, mask=row_ok, other=0.0,
-                            cache_modifier=".cg")
-            column, word = _pop_next_column(word, INTERPRETER_SAFE)
-            if BATCH == 1:
-                x = tl.load((x_chunk + column)[:, None], cache_modifier=".ca").to(tl.float32)
-            else:
-                x = _gather_lanes(x_chunk, column * X_ELEMENTS_PER_COLUMN, BATCH)
-            acc += value.to(tl.float32)[:, None] * x
+        # Registers hold word k while word k+1 is already on its way: one memory latency per
+        # program instead of one per word.
+        word = _prepare_word(next_word, INTERPRETER_SAFE)
+        tile = next_tile
+        prefetch_ok = row_ok & (k + 1 < k_end)
+        next_word = tl.load(mask_ptr + (k + 1) * n_rows + rows, mask=prefetch_ok, other=-1, cache_modifier=".cg")
+        next_tile = _load_word_values(values_ptr + (k + 1) * NNZ_PER_WORD * n_rows + rows, prefetch_ok, n_rows,
+                                      NNZ_PER_WORD)
+        acc, word = _multiply_word(acc, tile, word, x_ptr + k * 32, x_pair_stride, NNZ_PER_WORD, BATCH,
+                                   INTERPRETER_SAFE)
 
     lanes = tl.arange(0, BATCH)
     out_offsets = lanes[None, :] * n_rows + rows[:, None]
@@ -174,26 +207,53 @@ def _workspace(device, n_elements: int, n_counters: int):
     return held
 
 
-def spmv_config(n_rows: int, n_words: int, batch: int):
-    """(rows per thread, warps, split) for a shape.
+def candidate_configs(n_rows: int, n_words: int, batch: int):
+    """(rows per thread, warps, split) worth timing for a shape.
 
-    Enough programs to fill the 132 SMs a few times over; split-K for narrow matrices, but keep
-    at least 8 words per program so the atomics stay a small part of the work.
+    The first H200 sweep (docs/KERNEL_NOTES.md) said: thousands of small programs beat a few
+    long ones, because each program walks its words one after another; 4 and 8 warps tie; 1-2
+    rows per thread at batch 1, more only for the largest matrices.
     """
-    if INTERPRETING:
-        return 1, 1, max(1, min(3, n_words // 2))
-    rows_per_thread, warps = (4, 4) if batch <= 2 else (2, 4) if batch <= 8 else (1, 4)
-    block_rows = rows_per_thread * 32 * warps
-    row_blocks = triton.cdiv(n_rows, block_rows)
-    target_programs = 132 * 6
-    split = max(1, min(target_programs // row_blocks, n_words // 8))
-    return rows_per_thread, warps, split
+    if INTERPRETING:  # the interpreter is slow: one small config that still splits K
+        return [(1, 1, max(1, min(3, n_words // 2)))]
+    configs = []
+    for rows_per_thread in (1, 2, 4):
+        if rows_per_thread * batch > 32:  # accumulators would spill
+            continue
+        row_blocks = triton.cdiv(n_rows, rows_per_thread * 32 * 4)
+        for target_programs in (1024, 2048, 4096):
+            split = max(1, min(triton.cdiv(target_programs, row_blocks), n_words // 4))
+            if (rows_per_thread, 4, split) not in configs:
+                configs.append((rows_per_thread, 4, split))
+    return configs
+
+
+_tuned_configs = {}
+
+
+def spmv_config(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor):
+    """The fastest candidate config for this (out, in, batch), timed once and remembered.
+
+    Timed with triton's do_bench, which clears the L2 before every run, so the weights come
+    from memory as they do in a model.
+    """
+    n_words, n_rows = mask.shape
+    key = (n_rows, n_words, triton.next_power_of_2(x.shape[0]), values.dtype, x.device)
+    if key not in _tuned_configs:
+        configs = candidate_configs(n_rows, n_words, x.shape[0])
+        if len(configs) == 1:
+            _tuned_configs[key] = configs[0]
+        else:
+            timings = [do_bench(lambda c=c: spmv(x, values, mask, config=c), warmup=5, rep=25,
+                                return_mode="median") for c in configs]
+            _tuned_configs[key] = configs[timings.index(min(timings))]
+    return _tuned_configs[key]
 
 
 def spmv(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, config=None, out=None) -> torch.Tensor:
     """y = x @ W.T for x of shape (batch <= 16, in); W given as (values, mask).
 
-    config: (rows per thread, warps, split) instead of `spmv_config`'s choice; out: optional
+    config: (rows per thread, warps, split) instead of the tuned choice; out: optional
     (next power of two >= batch, out_features) buffer to write into (tests poison it).
     """
     batch, in_features = x.shape
@@ -201,7 +261,9 @@ def spmv(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, config=None,
     if in_features != n_words * 32 or batch > MAX_SPMV_BATCH:
         raise ValueError(f"spmv: x {tuple(x.shape)} does not fit a packed weight with in_features={n_words * 32}")
     nnz = values.shape[0] // n_words
-    rows_per_thread, warps, split = config or spmv_config(n_rows, n_words, batch)
+    if nnz & (nnz - 1):
+        raise ValueError(f"spmv needs a power-of-two number of kept weights per 32-bit word, got {nnz}")
+    rows_per_thread, warps, split = config or spmv_config(x, values, mask)
     words_per_split = triton.cdiv(n_words, split)
     split = triton.cdiv(n_words, words_per_split)
     block_rows = rows_per_thread * 32 * warps
@@ -210,25 +272,26 @@ def spmv(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, config=None,
     workspace, arrivals = _workspace(x.device, lanes * n_rows, row_blocks)
     y = torch.empty(lanes, n_rows, dtype=x.dtype, device=x.device) if out is None else out
     if batch > 1:
-        # (in, lanes) float32: the lanes of one column sit together, two per 8-byte gather.
-        if batch == lanes:
-            x_by_column = x.t().to(torch.float32).contiguous()
-        else:
-            x_by_column = x.new_zeros(in_features, lanes, dtype=torch.float32)
-            x_by_column[:, :batch] = x.t()
-        x = x_by_column.view(torch.int64)
+        # Pair-major float32: element (p, c) holds lanes 2p and 2p+1 of column c (one cast+copy launch).
+        padded = x if batch == lanes else torch.nn.functional.pad(x, (0, 0, 0, lanes - batch))
+        pairs = torch.empty(lanes // 2, in_features, 2, dtype=torch.float32, device=x.device)
+        pairs.transpose(1, 2).copy_(padded.view(lanes // 2, 2, in_features))
+        x = pairs.view(torch.int64).view(lanes // 2, in_features)
     _spmv_kernel[(row_blocks, split)](
-        x, values, mask, y, workspace, arrivals, n_rows, n_words, words_per_split,
+        x, values, mask, y, workspace, arrivals, n_rows, n_words, words_per_split, in_features,
         NNZ_PER_WORD=nnz, BATCH=lanes, BLOCK_ROWS=block_rows, INTERPRETER_SAFE=INTERPRETING, num_warps=warps)
     return y[:batch]
 
 
-def unpack_to_dense(values: torch.Tensor, mask: torch.Tensor, out=None) -> torch.Tensor:
-    """Dense (out, in) weight from (values, mask), on the device (graph-capturable)."""
+def unpack_to_dense(values: torch.Tensor, mask: torch.Tensor, out=None, config=None) -> torch.Tensor:
+    """Dense (out, in) weight from (values, mask), on the device (graph-capturable).
+
+    config: (rows, words) per program instead of the default.
+    """
     n_words, n_rows = mask.shape
     nnz = values.shape[0] // n_words
     dense = torch.empty(n_rows, n_words * 32, dtype=values.dtype, device=values.device) if out is None else out
-    block_rows, words_per_program = (16, 2) if INTERPRETING else (64, 4)
+    block_rows, words_per_program = config or ((16, 2) if INTERPRETING else (64, 4))
     grid = (triton.cdiv(n_rows, block_rows), triton.cdiv(n_words, words_per_program))
     _unpack_kernel[grid](values, mask, dense, n_rows, n_words, NNZ_PER_WORD=nnz,
                          BLOCK_ROWS=block_rows, WORDS_PER_PROGRAM=words_per_program)

@@ -1,0 +1,261 @@
+"""GPU benchmark of the N:M bitmask kernels against cuBLAS dense F.linear and torch's 2:4 format.
+
+For every linear shape of Llama-3.1-8B, Qwen3-14B, Qwen3-32B and Llama-3.3-70B, at batch 1, 4, 8,
+16 and a 2048-token prefill: median time per call, achieved GB/s, speedup over cuBLAS bf16
+`F.linear`, over `to_sparse_semi_structured` (2:4, cuSPARSELt), and the bandwidth floor (the
+packed bytes over the measured device copy bandwidth).
+
+Timing: each measured call is recorded many times into one CUDA graph, rotating over enough
+copies of the weights that they cannot sit in the 60 MB L2; the graph is replayed and the median
+replay time divided by the calls in it. Launch gaps inside a graph are what a compiled decode
+step sees, so they are part of the number (batch > 1 includes the launch that lays x out by column).
+
+The kernel does not depend on the pattern at 16 kept bits per word, so the table times 2:4 (the one
+torch's format can also run); `--patterns` times others. Correctness is checked by the GPU tests.
+
+    python scripts/bench_kernel.py --out-md docs/kernel_table.md --out-json runs/bench_kernel.json
+    python scripts/bench_kernel.py --sweep   # config sweep on four shapes (what the autotuner picks from)
+"""
+import argparse
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from sparse import kernels  # noqa: E402
+from sparse.format import pack  # noqa: E402
+
+SHAPES = {  # (layer, out_features, in_features); qkv and w13 fused as in model.py
+    "Llama-3.1-8B": [("qkv", 6144, 4096), ("o", 4096, 4096), ("w13", 28672, 4096), ("w2", 4096, 14336)],
+    "Qwen3-14B": [("qkv", 7168, 5120), ("o", 5120, 5120), ("w13", 34816, 5120), ("w2", 5120, 17408)],
+    "Qwen3-32B": [("qkv", 10240, 5120), ("o", 5120, 8192), ("w13", 51200, 5120), ("w2", 5120, 25600)],
+    "Llama-3.3-70B": [("qkv", 10240, 8192), ("o", 8192, 8192), ("w13", 57344, 8192), ("w2", 8192, 28672)],
+}
+SWEEP_SHAPES = [(4096, 4096), (28672, 4096), (4096, 14336), (57344, 8192)]
+L2_BYTES = 60e6
+PREFILL = 2048
+
+
+def time_per_call(calls, target_ms: float = 3.0, replays: int = 15) -> float:
+    """Median microseconds per call, replaying a CUDA graph that runs `calls` round-robin."""
+    for call in calls:  # warm-up: compilation, workspaces
+        call()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for call in calls:
+        call()
+    end.record()
+    end.synchronize()
+    estimate_ms = start.elapsed_time(end) / len(calls)
+    loops = max(1, min(200, round(target_ms / max(estimate_ms, 1e-3) / len(calls))))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(loops):
+            for call in calls:
+                call()
+    graph.replay()
+    times = []
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    del graph
+    return statistics.median(times) * 1000 / (loops * len(calls))
+
+
+def copies_for(nbytes: int) -> int:
+    """Copies of an operand so that rotating through them always misses the L2."""
+    return max(1, math.ceil(3 * L2_BYTES / nbytes))
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    a = torch.randn(2**28, device="cuda")  # 1 GiB of float32: the copy kernel moves 16 bytes a thread
+    b = torch.empty_like(a)
+    us = time_per_call([lambda: b.copy_(a)], target_ms=10)
+    return 2 * a.numel() * 4 / (us * 1e-6)
+
+
+def random_weight(out_features: int, in_features: int) -> torch.Tensor:
+    return torch.randn(out_features, in_features, device="cuda", dtype=torch.bfloat16) / in_features ** 0.5
+
+
+def sparse_call(x, values, mask, config=None):
+    if x.shape[0] <= kernels.MAX_SPMV_BATCH:
+        return lambda: kernels.spmv(x, values, mask, config)
+    return lambda: F.linear(x, kernels.unpack_to_dense(values, mask))
+
+
+def eager_time_per_call(calls, repeats: int = 20) -> float:
+    """Median microseconds per call of plain eager launches (for ops that may not graph-capture)."""
+    for call in calls:
+        call()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(repeats):
+        start.record()
+        for call in calls:
+            call()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / len(calls))
+    return statistics.median(times)
+
+
+def semi_structured_time(weight_24: torch.Tensor, x: torch.Tensor, copies: int):
+    """Time torch's 2:4 semi-structured F.linear (eager: a failed graph capture would poison the
+    process), or the reason it could not run."""
+    try:
+        from torch.sparse import to_sparse_semi_structured
+        semis = [to_sparse_semi_structured(weight_24) for _ in range(copies)]
+        return eager_time_per_call([lambda s=s: F.linear(x, s) for s in semis]), None
+    except Exception as e:  # record what happens: it may refuse some shapes or batch sizes
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
+
+
+def bench_shape(out_features, in_features, batch, pattern, bandwidth, with_semi=True) -> dict:
+    weight = random_weight(out_features, in_features)
+    values, mask = pack(weight, pattern)
+    sparse_bytes = values.numel() * values.element_size() + mask.numel() * 4
+    dense_bytes = weight.numel() * weight.element_size()
+    io_bytes = batch * (in_features + out_features) * 2
+    x = torch.randn(batch, in_features, device="cuda", dtype=torch.bfloat16)
+
+    packed = [(values, mask)] + [(values.clone(), mask.clone()) for _ in range(copies_for(sparse_bytes) - 1)]
+    sparse_us = time_per_call([sparse_call(x, v, m) for v, m in packed])
+    del packed
+    weights = [weight] + [weight.clone() for _ in range(copies_for(dense_bytes) - 1)]
+    dense_us = time_per_call([lambda w=w: F.linear(x, w) for w in weights])
+    del weights
+    row = dict(out=out_features, inp=in_features, batch=batch, pattern=pattern,
+               sparse_us=sparse_us, dense_us=dense_us, speedup=dense_us / sparse_us,
+               sparse_gbps=(sparse_bytes + io_bytes) / sparse_us / 1e3,
+               dense_gbps=(dense_bytes + io_bytes) / dense_us / 1e3,
+               floor_us=(sparse_bytes + io_bytes) / bandwidth * 1e6)
+    if batch > kernels.MAX_SPMV_BATCH:
+        expand_calls = [lambda: kernels.unpack_to_dense(values, mask)]
+        row["expand_us"] = time_per_call(expand_calls)
+    if with_semi and pattern == "2:4":
+        weight_24 = kernels.unpack_to_dense(values, mask)
+        semi_us, semi_error = semi_structured_time(weight_24, x, copies_for(sparse_bytes))
+        row["semi_us"], row["semi_error"] = semi_us, semi_error
+        row["speedup_vs_semi"] = semi_us / sparse_us if semi_us else None
+    return row
+
+
+def sweep() -> list:
+    """Time spmv over (rows per thread, warps, split) on a few shapes, the autotuned choice, and
+    at batch 1 the interpreter-safe bit scan (float exponent instead of brev/bfind)."""
+    rows = []
+    for out_features, in_features in SWEEP_SHAPES:
+        values, mask = pack(random_weight(out_features, in_features), "2:4")
+        n_words = in_features // 32
+        packed = [(values, mask)] + [(values.clone(), mask.clone())
+                                     for _ in range(copies_for(values.numel() * 2 + mask.numel() * 4) - 1)]
+        for batch in (1, 4, 16):
+            x = torch.randn(batch, in_features, device="cuda", dtype=torch.bfloat16)
+            for rows_per_thread in (1, 2, 4):
+                for warps in (4, 8):
+                    if rows_per_thread * batch > 32:
+                        continue
+                    for words_per_program in (2, 4, 8, 16):
+                        config = (rows_per_thread, warps, max(1, n_words // words_per_program))
+                        us = time_per_call([sparse_call(x, v, m, config) for v, m in packed], replays=7)
+                        rows.append(dict(out=out_features, inp=in_features, batch=batch, config=config, us=us))
+            tuned = kernels.spmv_config(x, values, mask)
+            rows.append(dict(out=out_features, inp=in_features, batch=batch, config=tuned, tuned=True,
+                             us=time_per_call([sparse_call(x, v, m) for v, m in packed])))
+            if batch == 1:
+                kernels.INTERPRETING = True  # the launcher passes it as INTERPRETER_SAFE
+                try:
+                    us = time_per_call([sparse_call(x, v, m, tuned) for v, m in packed])
+                finally:
+                    kernels.INTERPRETING = False
+                rows.append(dict(out=out_features, inp=in_features, batch=batch, config=tuned, safe_scan=True, us=us))
+        for config in [(64, 4), (32, 4), (32, 8), (64, 8), (128, 2), (128, 4), (16, 8)]:  # prefill's expansion
+            us = time_per_call([lambda v=v, m=m: kernels.unpack_to_dense(v, m, config=config) for v, m in packed])
+            rows.append(dict(out=out_features, inp=in_features, expand_config=config, us=us))
+        del packed, values, mask
+    return rows
+
+
+def markdown_table(rows: list, bandwidth: float) -> str:
+    lines = [f"Device copy bandwidth (read + write): {bandwidth / 1e12:.2f} TB/s. Times in µs per call; "
+             "speedup = dense time / sparse time; floor = packed bytes / copy bandwidth.", "",
+             "| model | layer | out×in | batch | sparse µs | GB/s | floor µs | cuBLAS µs | speedup | torch 2:4 µs | vs 2:4 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        semi = f"{r['semi_us']:.1f}" if r.get("semi_us") else (r.get("semi_error") or "-")
+        vs_semi = f"{r['speedup_vs_semi']:.2f}×" if r.get("speedup_vs_semi") else "-"
+        lines.append(f"| {r['model']} | {r['layer']} | {r['out']}×{r['inp']} | {r['batch']} | {r['sparse_us']:.1f} | "
+                     f"{r['sparse_gbps']:.0f} | {r['floor_us']:.1f} | {r['dense_us']:.1f} | {r['speedup']:.2f}× | "
+                     f"{semi} | {vs_semi} |")
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", default=",".join(SHAPES), help="comma-separated subset of " + ", ".join(SHAPES))
+    p.add_argument("--batches", default=f"1,4,8,16,{PREFILL}")
+    p.add_argument("--patterns", default="2:4")
+    p.add_argument("--no-semi", action="store_true", help="skip torch's to_sparse_semi_structured")
+    p.add_argument("--sweep", action="store_true", help="config sweep on four shapes instead of the table")
+    p.add_argument("--out-md", type=Path)
+    p.add_argument("--out-json", type=Path)
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_kernel.py needs a CUDA GPU")
+    torch.manual_seed(0)
+    bandwidth = copy_bandwidth()
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  copy bandwidth {bandwidth / 1e12:.2f} TB/s",
+          flush=True)
+    if args.sweep:
+        rows = sweep()
+        if args.out_json:
+            args.out_json.write_text(json.dumps(rows, indent=1))
+        for r in rows:
+            if "expand_config" in r:
+                print(f"{r['out']}x{r['inp']} expand {r['expand_config']}: {r['us']:.1f} us")
+        rows = [r for r in rows if "expand_config" not in r]
+        best = {}
+        for r in rows:
+            key = (r["out"], r["inp"], r["batch"])
+            if not r.get("tuned") and not r.get("safe_scan") and (key not in best or r["us"] < best[key]["us"]):
+                best[key] = r
+        for r in rows:
+            if r.get("tuned") or r.get("safe_scan"):
+                b = best[(r["out"], r["inp"], r["batch"])]
+                tag = "safe-scan" if r.get("safe_scan") else "tuned"
+                print(f"{r['out']}x{r['inp']} b{r['batch']}: {tag} {r['config']} {r['us']:.1f} us; "
+                      f"best {b['config']} {b['us']:.1f} us")
+        return
+    rows = []
+    batches = [int(b) for b in args.batches.split(",")]
+    for model in args.models.split(","):
+        for layer, out_features, in_features in SHAPES[model]:
+            for pattern in args.patterns.split(","):
+                for batch in batches:
+                    row = bench_shape(out_features, in_features, batch, pattern, bandwidth, not args.no_semi)
+                    rows.append(dict(model=model, layer=layer, **row))
+                    print(f"{model} {layer} {out_features}x{in_features} {pattern} b{batch}: sparse {row['sparse_us']:.1f} "
+                          f"dense {row['dense_us']:.1f} -> {row['speedup']:.2f}x  semi {row.get('semi_us')} "
+                          f"{row.get('semi_error') or ''}", flush=True)
+                    torch.cuda.empty_cache()
+    table = markdown_table(rows, bandwidth)
+    if args.out_md:
+        args.out_md.write_text(table)
+    if args.out_json:
+        args.out_json.write_text(json.dumps(rows, indent=1))
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
