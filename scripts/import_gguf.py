@@ -49,8 +49,9 @@ def model_args_from_gguf(fields: dict, path, has_output: bool) -> ModelArgs:
     arch = fields.get("general.architecture")
     if arch != "llama":
         raise ConversionError(f"{path}: unsupported GGUF architecture '{arch}' (supported: llama)")
-    if f"{arch}.rope.scaling.type" in fields:
-        raise ConversionError(f"{path}: rope scaling '{fields[f'{arch}.rope.scaling.type']}' is not supported")
+    scaling = fields.get(f"{arch}.rope.scaling.type", "none")
+    if scaling != "none":
+        raise ConversionError(f"{path}: GGUF rope scaling '{scaling}' is not supported")
 
     def get(key):
         if f"{arch}.{key}" not in fields:
