@@ -36,13 +36,13 @@ METRICS = [("kl", "KL(dense||pruned)", False), ("top1_agreement", "top-1 agree",
            ("tokens_to_divergence_mean", "tokens to diverge", True), ("wikitext2_ppl", "WikiText-2 PPL", False)]
 
 
-def prompt_split(n_code_heldout: int = 10) -> tuple[list[str], list[str]]:
+def prompt_split(n_writing_heldout: int = 20, n_code_heldout: int = 10) -> tuple[list[str], list[str]]:
     """(calibration prompts, held-out prompts) as described in the module docstring."""
     writing = [row["prompt"] for row in read_jsonl(data_path("longbench_write_en.jsonl"))]
     mbpp = [row["text"] for row in read_jsonl(data_path("mbpp.jsonl")) if row["task_id"] >= 601]
     humaneval = [row["prompt"] for row in read_jsonl(data_path("HumanEval.jsonl.gz"))[:n_code_heldout]]
     calibration = [p for i, p in enumerate(writing) if i % 3 != 0] + mbpp
-    heldout = [p for i, p in enumerate(writing) if i % 3 == 0] + humaneval
+    heldout = [p for i, p in enumerate(writing) if i % 3 == 0][:n_writing_heldout] + humaneval
     return calibration, heldout
 
 
@@ -65,17 +65,19 @@ def prune(args, method, pattern, calib, seed, calib_prompts: Path, out: Path):
         raise RuntimeError(f"pruning failed ({' '.join(command)}); see {log}")
 
 
-def evaluate_checkpoint(args, model, dense, tokenizer, references, wikitext_ids) -> dict:
+def evaluate_checkpoint(args, model, context: dict) -> dict:
+    """Decode fidelity against the dense model (skipped for the dense model itself), perplexity, tasks."""
     from evaluation.fidelity import decode_fidelity
     from evaluation.perplexity import perplexity
 
-    metrics = {} if model is dense else decode_fidelity(dense, model, references)
-    metrics["wikitext2_ppl"] = perplexity(model, wikitext_ids, args.seq_len)["perplexity"]
+    is_dense = model is context["dense"]
+    metrics = {} if is_dense else decode_fidelity(context["dense"], model, context["references"], context["dense_logits"])
+    metrics["wikitext2_ppl"] = perplexity(model, context["wikitext_ids"], args.seq_len)["perplexity"]
     if args.tasks:
         from evaluation import code_tasks
         from evaluation.generation import make_generate_fn
 
-        generate_fn = make_generate_fn(model, tokenizer, args.task_max_new_tokens, args.batch_size)
+        generate_fn = make_generate_fn(model, context["tokenizer"], args.task_max_new_tokens, args.batch_size)
         for task in args.tasks:
             metrics[f"{task}_pass@1"] = code_tasks.evaluate(task, generate_fn, args.task_limit)["pass@1"]
     return metrics
@@ -186,8 +188,8 @@ def main():
     parser.add_argument("--calib_seq_len", type=int, default=512, help="text calibration: window length")
     parser.add_argument("--prune_args", nargs=argparse.REMAINDER, default=[],
                         help="passed on to python -m prune (put last)")
-    parser.add_argument("--heldout_code", type=int, default=10, help="HumanEval prompts among the held-out prompts")
-    parser.add_argument("--heldout_limit", type=int, help="use only the first N held-out prompts")
+    parser.add_argument("--heldout_writing", type=int, default=20, help="LongBench-Write prompts held out (at most 20)")
+    parser.add_argument("--heldout_code", type=int, default=10, help="HumanEval prompts held out")
     parser.add_argument("--max_new_tokens", type=int, default=128, help="length of the dense reference generations")
     parser.add_argument("--ppl_tokens", type=int, default=32768)
     parser.add_argument("--seq_len", type=int, default=512, help="perplexity window")
@@ -211,48 +213,52 @@ def main():
 
 
 def run_grid(args) -> dict:
-    from evaluation.fidelity import dense_references
+    """Prune and evaluate cell by cell (seed-major, so the first seed of every cell lands first) and
+    rewrite the results after each one: an interrupted grid still leaves a table of what finished."""
+    from evaluation.fidelity import decode_step_logits, dense_references
     from evaluation.generation import load_model, load_model_and_tokenizer
     from evaluation.perplexity import read_text
 
     args.workdir.mkdir(parents=True, exist_ok=True)
-    calibration, heldout = prompt_split(args.heldout_code)
-    heldout = heldout[: args.heldout_limit]
+    calibration, heldout = prompt_split(args.heldout_writing, args.heldout_code)
     calib_prompts = args.workdir / "calibration_prompts.jsonl"
     calib_prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in calibration))
 
-    grid = [(m, p, c, s) for m in args.methods for p in args.patterns for c in CALIBRATIONS for s in args.seeds]
-    for method, pattern, calib, seed in tqdm(grid, desc="pruning"):
-        prune(args, method, pattern, calib, seed, calib_prompts, args.workdir / f"{run_name(method, pattern, calib, seed)}.pth")
-
     dense, tokenizer = load_model_and_tokenizer(args.checkpoint, args.device)
-    wikitext_ids = tokenizer.encode(read_text(data_path("wikitext2_test.raw"), max_chars=8 * args.ppl_tokens))[: args.ppl_tokens]
-    references_path = args.workdir / f"dense_references_{args.max_new_tokens}.json"
+    wikitext = read_text(data_path("wikitext2_test.raw"), max_chars=8 * args.ppl_tokens)
+    references_path = args.workdir / f"dense_references_{len(heldout)}x{args.max_new_tokens}.json"
     if references_path.exists():
         references = [tuple(r) for r in json.loads(references_path.read_text())]
     else:
         references = dense_references(dense, tokenizer, heldout, args.max_new_tokens, args.batch_size)
         write_json_atomic(references_path, references)
-    references = references[: len(heldout)]
+    references = [r for r in references if r[1]]
+    context = {"dense": dense, "tokenizer": tokenizer, "references": references,
+               "wikitext_ids": tokenizer.encode(wikitext)[: args.ppl_tokens],
+               "dense_logits": decode_step_logits(dense, references)}
 
-    eval_key = f"ppl{args.ppl_tokens}x{args.seq_len}-gen{args.max_new_tokens}-held{len(heldout)}-tasks{'+'.join(args.tasks)}{args.task_limit}"
+    eval_key = (f"ppl{args.ppl_tokens}x{args.seq_len}-refs{len(heldout)}x{args.max_new_tokens}"
+                f"-tasks{'+'.join(args.tasks) or 'none'}{args.task_limit if args.tasks else ''}")
     dense_metrics = cached_metrics(args.workdir / f"dense.{eval_key}.json",
-                                   lambda: evaluate_checkpoint(args, dense, dense, tokenizer, references, wikitext_ids))
-    runs = []
-    for method, pattern, calib, seed in tqdm(grid, desc="evaluating"):
+                                   lambda: evaluate_checkpoint(args, dense, context))
+    grid = [(m, p, c, s) for s in args.seeds for p in args.patterns for m in args.methods for c in CALIBRATIONS]
+    runs, results = [], {}
+    for method, pattern, calib, seed in tqdm(grid, desc="grid"):
         name = run_name(method, pattern, calib, seed)
+        checkpoint = args.workdir / f"{name}.pth"
+        prune(args, method, pattern, calib, seed, calib_prompts, checkpoint)
+        metrics = cached_metrics(args.workdir / f"{name}.{eval_key}.json",
+                                 lambda: evaluate_checkpoint(args, load_model(checkpoint, args.device), context))
+        runs.append({"method": method, "pattern": pattern, "calib": calib, "seed": seed, "metrics": metrics})
+        results = write_results(args, runs, dense_metrics, len(references), eval_key)
+    return results
 
-        def measure():
-            model = load_model(args.workdir / f"{name}.pth", args.device)
-            return evaluate_checkpoint(args, model, dense, tokenizer, references, wikitext_ids)
 
-        runs.append({"method": method, "pattern": pattern, "calib": calib, "seed": seed,
-                     "metrics": cached_metrics(args.workdir / f"{name}.{eval_key}.json", measure)})
+def write_results(args, runs, dense_metrics, n_references, eval_key) -> dict:
     table = aggregate(runs)
-    results = {"checkpoint": str(args.checkpoint), "tokens": args.tokens, "heldout_prompts": len(heldout),
-               "decode_tokens_per_model": sum(len(g) for _, g in references), "evaluation": eval_key,
-               "dense": dense_metrics, "runs": runs, "table_markdown": markdown_table(table, dense_metrics),
-               "verdicts": verdicts(table)}
+    results = {"checkpoint": str(args.checkpoint), "calibration_tokens": args.tokens, "heldout_sequences": n_references,
+               "evaluation": eval_key, "dense": dense_metrics, "runs": runs,
+               "table_markdown": markdown_table(table, dense_metrics), "verdicts": verdicts(table)}
     write_json_atomic(args.out, results)
     if args.table:
         from checkpoint import atomic_write

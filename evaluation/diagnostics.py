@@ -143,11 +143,15 @@ def text_sequences(token_ids: list[int], seq_len: int, max_tokens: int) -> list[
     return [(token_ids[i * seq_len:(i + 1) * seq_len], 0) for i in range(n)]
 
 
-def subspace_error(h_cal: torch.Tensor, h_dec: torch.Tensor, fractions=FRACTIONS) -> list[float]:
-    """eps for each fraction of H_DEC's eigenvectors kept (largest eigenvalues first)."""
-    eigenvalues, eigenvectors = torch.linalg.eigh(h_dec)
-    order = eigenvalues.argsort(descending=True)
-    u = eigenvectors[:, order]
+def eigenbasis(h: torch.Tensor) -> torch.Tensor:
+    """Eigenvectors of a symmetric matrix as columns, largest eigenvalue first."""
+    eigenvalues, eigenvectors = torch.linalg.eigh(h)
+    return eigenvectors[:, eigenvalues.argsort(descending=True)]
+
+
+def subspace_error(h_cal: torch.Tensor, h_dec: torch.Tensor, fractions=FRACTIONS, basis=None) -> list[float]:
+    """eps for each fraction of H_DEC's eigenvectors kept; basis = eigenbasis(h_dec) if already known."""
+    u = eigenbasis(h_dec) if basis is None else basis
     dec_rotated, diff_rotated = u.T @ h_dec @ u, u.T @ (h_cal - h_dec) @ u
     d = h_dec.shape[0]
     errors = []
@@ -158,9 +162,11 @@ def subspace_error(h_cal: torch.Tensor, h_dec: torch.Tensor, fractions=FRACTIONS
 
 
 def hessian_tables(h_dec: dict, h_ar: dict, h_c4: dict, fractions=FRACTIONS) -> dict:
-    per_module = {name: {"ar": subspace_error(h_ar[name], h_dec[name], fractions),
-                         "c4": subspace_error(h_c4[name], h_dec[name], fractions)}
-                  for name in tqdm(h_dec, desc="eigendecompositions", leave=False)}
+    per_module = {}
+    for name in tqdm(h_dec, desc="eigendecompositions", leave=False):
+        basis = eigenbasis(h_dec[name])
+        per_module[name] = {"ar": subspace_error(h_ar[name], h_dec[name], fractions, basis),
+                            "c4": subspace_error(h_c4[name], h_dec[name], fractions, basis)}
     summary = []
     for i, f in enumerate(fractions):
         ratios = [m["ar"][i] / m["c4"][i] for m in per_module.values() if m["c4"][i] > 0]

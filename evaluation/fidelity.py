@@ -30,12 +30,14 @@ def step_metrics(dense_logits: torch.Tensor, pruned_logits: torch.Tensor, dense_
     log_p = F.log_softmax(dense_logits.double(), dim=-1)
     log_q = F.log_softmax(pruned_logits.double(), dim=-1)
     kl = (log_p.exp() * (log_p - log_q)).sum(-1).clamp(min=0.0)  # clamp: rounding can make ~0 slightly negative
-    pruned_choice = pruned_logits.argmax(-1)
-    agree = dense_logits.argmax(-1) == pruned_choice
-    departs = (pruned_choice != dense_tokens.to(pruned_choice.device)).nonzero()
+    dense_choice, pruned_choice = dense_logits.argmax(-1), pruned_logits.argmax(-1)
+    dense_tokens = dense_tokens.to(pruned_choice.device)
+    departs = (pruned_choice != dense_tokens).nonzero()
     divergence = int(departs[0, 0]) if len(departs) else len(dense_tokens)
-    return {"kl": kl.cpu(), "top1_agree": agree.cpu(), "tokens_to_divergence": divergence,
-            "diverged": bool(len(departs))}
+    # The references come from batched KV-cached decoding, the logits from one unpadded forward:
+    # near-ties can flip between the two, so how often the dense model re-picks its own token is kept.
+    return {"kl": kl.cpu(), "top1_agree": (dense_choice == pruned_choice).cpu(), "tokens_to_divergence": divergence,
+            "diverged": bool(len(departs)), "dense_self_agree": (dense_choice == dense_tokens).cpu()}
 
 
 def summarize(per_sequence: list[dict]) -> dict:
@@ -52,23 +54,32 @@ def summarize(per_sequence: list[dict]) -> dict:
             "tokens_to_divergence_mean": statistics.mean(divergence),
             "tokens_to_divergence_median": statistics.median(divergence),
             "never_diverged": sum(not s["diverged"] for s in per_sequence) / len(per_sequence),
+            "dense_self_agreement": torch.cat([s["dense_self_agree"] for s in per_sequence]).double().mean().item(),
             "decode_tokens": len(kl), "sequences": len(per_sequence), "kl_by_step": kl_by_step}
 
 
-def decode_fidelity(dense_model, pruned_model, references: list[tuple[list[int], list[int]]], progress=True) -> dict:
-    """references: (prompt ids, dense greedy generation ids) pairs, e.g. from dense_references()."""
-    per_sequence = []
-    for prompt, generated in tqdm(references, desc="decode fidelity", disable=not progress, leave=False):
-        if not generated:
-            continue
-        idx = torch.tensor([prompt + generated])
+def decode_step_logits(model, references) -> list[torch.Tensor]:
+    """Teacher-forced logits [len(generated), vocab] at the decode steps of each (prompt, generated) pair."""
+    rows = []
+    for prompt, generated in tqdm(references, desc="teacher-forced logits", leave=False):
         steps = slice(len(prompt) - 1, len(prompt) + len(generated) - 1)  # positions predicting generated tokens
-        dense = forward_logits(dense_model, idx)[0, steps]
-        pruned = forward_logits(pruned_model, idx)[0, steps]
-        per_sequence.append(step_metrics(dense, pruned, torch.tensor(generated)))
-    if not per_sequence:
+        rows.append(forward_logits(model, torch.tensor([prompt + generated]))[0, steps])
+    return rows
+
+
+def decode_fidelity(dense_model, pruned_model, references: list[tuple[list[int], list[int]]],
+                    dense_logits: list[torch.Tensor] | None = None) -> dict:
+    """references: (prompt ids, dense greedy generation ids) pairs, e.g. from dense_references().
+    dense_logits: decode_step_logits(dense_model, references), when already computed (a grid of
+    pruned models compares against the same dense model)."""
+    references = [r for r in references if r[1]]
+    if not references:
         raise ValueError("every dense reference generation is empty; nothing to compare")
-    return summarize(per_sequence)
+    if dense_logits is None:
+        dense_logits = decode_step_logits(dense_model, references)
+    pruned_logits = decode_step_logits(pruned_model, references)
+    return summarize([step_metrics(d, p, torch.tensor(generated))
+                      for d, p, (_, generated) in zip(dense_logits, pruned_logits, references, strict=True)])
 
 
 def dense_references(dense_model, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int = 8):

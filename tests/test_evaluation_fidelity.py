@@ -40,9 +40,9 @@ def test_on_tiny_models_divergence_matches_free_running_greedy():
     dense, pruned = tiny_model(), half_pruned(tiny_model())
     prompts = [[1, 5, 9], [3, 3, 7, 11, 2]]
     references = [(p, greedy_without_cache(dense, p, 12)) for p in prompts]
-    same = decode_fidelity(dense, dense, references, progress=False)
+    same = decode_fidelity(dense, dense, references)
     assert same["kl"] < 1e-9 and same["top1_agreement"] == 1.0 and same["never_diverged"] == 1.0
-    result = decode_fidelity(dense, pruned, references, progress=False)
+    result = decode_fidelity(dense, pruned, references)
     assert result["kl"] > 0 and result["decode_tokens"] == 24
     expected = []
     for prompt, dense_tokens in references:
