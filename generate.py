@@ -34,6 +34,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from checkpoint import CheckpointError, load_checkpoint
 from model import KVCache, Transformer
+from tokenizer import find_tokenizer, load_tokenizer
 
 EOS_CHECK_INTERVAL = 8  # decode steps between the host's looks at "has every row hit EOS?"
 
@@ -341,8 +342,6 @@ def run(args):
     dtype = getattr(torch, args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))
     start = time.perf_counter()
     model = load_model(args.checkpoint, args.device, dtype)
-    from tokenizer import find_tokenizer, load_tokenizer  # after the checkpoint: its errors come first
-
     tokenizer = load_tokenizer(args.tokenizer or find_tokenizer(args.checkpoint))
     print(f"Loaded {args.checkpoint} on {args.device} ({dtype}) in {time.perf_counter() - start:.1f} s", flush=True)
     sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, eos_ids=tokenizer.eos_ids,
@@ -355,12 +354,15 @@ def run(args):
             return tokenizer.encode_chat([{"role": "user", "content": text}])
         return tokenizer.encode(text, bos=True)
 
-    texts = args.prompts_file.read_text().splitlines() if args.prompts_file else [args.prompt] * args.batch_size
-    prompts = [torch.tensor(encode(t)) for t in texts if t.strip()]
+    if args.prompts_file:
+        texts = [line for line in args.prompts_file.read_text().splitlines() if line.strip()]
+    else:
+        texts = [args.prompt] * args.batch_size  # "" is fine: the model starts from BOS
+    prompts = [torch.tensor(encode(t)) for t in texts]
     for i in range(args.num_samples):
         result = generate(model, prompts, args.max_new_tokens, progress=not args.compile, **sampling)
         for row in result.new_tokens:
-            print(tokenizer.decode(row.tolist()), flush=True)
+            print(tokenizer.decode([t for t in row.tolist() if t not in tokenizer.eos_ids]), flush=True)
             print("-" * 40)
         compiled_note = " (includes compilation)" if args.compile and i == 0 else ""
         print(f"sample {i + 1}{compiled_note}:")
@@ -396,9 +398,9 @@ def print_stats(model, result: GenerationResult, device):
         per_second = steps / result.decode_s
         print(f"  decode: {steps} steps in {result.decode_s:.2f} s = {per_second:.1f} tok/s per sequence, "
               f"{per_second * rows:.1f} tok/s over {rows} rows")
-        print(f"  bandwidth: {step_bytes['total'] / 1e9:.2f} GB read per step (weights {step_bytes['weights'] / 1e9:.2f}, "
-              f"KV cache {step_bytes['kv_cache'] / 1e9:.3f} over all {model.max_seq_length} slots, as the masked "
-              f"attention reads them) x {per_second:.1f} steps/s = {step_bytes['total'] * per_second / 1e9:.0f} GB/s")
+        print(f"  bandwidth: {step_bytes['total'] / 1e9:.3g} GB read per step (weights {step_bytes['weights'] / 1e9:.3g}, "
+              f"KV cache {step_bytes['kv_cache'] / 1e9:.3g} over all {model.max_seq_length} slots, as the masked "
+              f"attention reads them) x {per_second:.1f} steps/s = {step_bytes['total'] * per_second / 1e9:.3g} GB/s")
     print(f"  prefill: {max(result.prompt_lengths)} x {rows} tokens in {result.prefill_s:.3f} s")
     print(f"  peak memory: {peak_memory_bytes(device) / 1e9:.2f} GB", flush=True)
 
