@@ -249,3 +249,14 @@ def test_cli_generates_and_reports_speed(tiny_checkpoint_with_tokenizer):
     assert result.returncode == 0, result.stderr
     for phrase in ("tok/s", "GB/s", "peak memory"):
         assert phrase in result.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_compiled_cuda_decode_matches_eager():
+    model = tiny_model().cuda()
+    prompts = [random_prompt(5, 1), random_prompt(9, 2)]
+    for sampling in (dict(), dict(temperature=0.8, top_k=10, top_p=0.9, seed=7)):
+        eager = generate.generate(model, prompts, 24, **sampling)
+        compiled = generate.generate(model, prompts, 24, compile=True, **sampling)
+        assert all(torch.equal(a, b) for a, b in zip(eager.sequences, compiled.sequences))
