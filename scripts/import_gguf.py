@@ -117,7 +117,7 @@ def tokenizer_files_from_gguf(fields: dict, path) -> dict[str, bytes]:
         raise ConversionError(f"{path}: GGUF pre-tokenizer '{pre}' is not supported ({', '.join(splitters)})")
 
     tokens, types = fields["tokenizer.ggml.tokens"], fields["tokenizer.ggml.token_type"]
-    merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"]]
+    merges = [tuple(m.split(" ", 1)) for m in fields.get("tokenizer.ggml.merges", [])]
     tokenizer = Tokenizer(models.BPE(vocab={tok: i for i, tok in enumerate(tokens)}, merges=merges))
     tokenizer.pre_tokenizer = splitters[pre]
     tokenizer.decoder = decoders.ByteLevel()

@@ -90,3 +90,65 @@ def test_stories260k_greedy_from_bos(stories260k_dir, tmp_path):
     tokenizer = load_tokenizer(tmp_path)
     result = generate(model, [torch.tensor([tokenizer.bos_id])], max_new_tokens=20, eos_ids=tokenizer.eos_ids)
     assert tokenizer.decode(result.sequences[0]).startswith("Once upon a time, there was a little girl named Lily")
+
+
+def write_tiny_gguf(model, path):
+    """A float32 GGUF of a transformers Llama, written the way llama.cpp's converter does: its names,
+    and q/k rows permuted from rotate-half to interleaved RoPE pairs. The vocabulary is the 256
+    byte-level characters and no merges."""
+    gguf = pytest.importorskip("gguf")
+    from tokenizers import pre_tokenizers
+    c = model.config
+
+    def to_interleaved(w, n_heads):  # llama.cpp's direction; the converter must undo it
+        return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, -1).transpose(1, 2).reshape(w.shape)
+
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt2")
+    writer.add_token_list(sorted(pre_tokenizers.ByteLevel.alphabet()))
+    writer.add_token_types([1] * 256)
+    writer.add_token_merges([])
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(1)
+    names = {"embed_tokens": "token_embd", "norm": "output_norm", "lm_head": "output", "input_layernorm": "attn_norm",
+             "post_attention_layernorm": "ffn_norm", "q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v",
+             "o_proj": "attn_output", "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+    for hf_name, weight in model.state_dict().items():
+        if hf_name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        parts = hf_name.split(".")
+        layer = f"blk.{parts[2]}." if parts[1] == "layers" else ""
+        if parts[-2] == "q_proj":
+            weight = to_interleaved(weight, c.num_attention_heads)
+        elif parts[-2] == "k_proj":
+            weight = to_interleaved(weight, c.num_key_value_heads)
+        writer.add_tensor(f"{layer}{names[parts[-2]]}.weight", weight.numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("name", ["llama", "llama-tied"])
+def test_tiny_gguf_matches_transformers(tiny_hf_folder, tmp_path, name):
+    """The GGUF path without the embedded model: names, the q/k un-permutation and tying."""
+    from scripts.convert_hf import convert_gguf
+    from tokenizer import load_tokenizer
+    _, reference = tiny_hf_folder(name)
+    write_tiny_gguf(reference, tmp_path / "tiny.gguf")
+    convert_gguf(tmp_path / "tiny.gguf", tmp_path / "out", torch.float32)
+    ours = load_ours(tmp_path / "out" / "model.pth", max_seq_length=64)
+    assert ours.config.tie_embeddings == reference.config.tie_word_embeddings
+    tokens = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(2))
+    assert_logits_match(ours, reference, tokens)
+    tokenizer = load_tokenizer(tmp_path / "out")
+    assert tokenizer.decode(tokenizer.encode("byte-level: ünïcode ✓")) == "byte-level: ünïcode ✓"
