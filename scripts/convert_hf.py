@@ -177,21 +177,31 @@ def lazy_tensors_from_folder(folder: Path) -> LazyTensors:
         for path in safetensors_files:
             if not path.is_file():
                 raise ConversionError(f"{index} names shard {path.name}, which is missing")
-            handle = safe_open(str(path), framework="pt")
+            try:
+                handle = safe_open(str(path), framework="pt")
+            except Exception as e:  # safetensors raises its own error type on a damaged header
+                raise ConversionError(f"cannot read {path}: {e}") from None
             for name in handle.keys():
                 tensors[name] = lambda handle=handle, name=name: handle.get_tensor(name)
         return tensors
     if bin_files:
         tensors = {}
         for path in bin_files:
-            try:
-                shard = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-            except Exception as e:
-                raise ConversionError(f"cannot read {path}: {str(e).splitlines()[0]}") from None
-            for name, tensor in shard.items():
+            for name, tensor in load_bin_shard(path).items():
                 tensors[name] = lambda tensor=tensor: tensor
         return tensors
     raise ConversionError(f"no *.safetensors or pytorch_model*.bin weights in {folder}")
+
+
+def load_bin_shard(path: Path) -> dict:
+    try:
+        return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except RuntimeError:  # files from before torch 1.6 are not zip archives and cannot be memory-mapped
+        pass
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise ConversionError(f"cannot read {path}: {str(e).strip().splitlines()[0]}") from None
 
 
 def read_hf_folder(folder: Path):
