@@ -85,7 +85,8 @@ def selected_linears(model, pattern: str, include, exclude) -> list:
 
 
 class BlockReplay:
-    """Runs one TransformerBlock teacher-forced (no KV cache) over the stored calibration batches."""
+    """Runs parts of one TransformerBlock teacher-forced (no KV cache) over the stored calibration
+    batches, feeding the inputs of watched linears into their statistics."""
 
     def __init__(self, config, batches, device, activation_device):
         self.counted = [counted.to(device) for _, counted in batches]
@@ -95,10 +96,19 @@ class BlockReplay:
         self.causal = torch.tril(torch.ones(T, T, dtype=torch.bool, device=device))
         self.device, self.activation_device = device, activation_device
 
+    # The two residual halves of TransformerBlock.forward, so a replay can stop between them.
+    def attention(self, block, x):
+        T = x.shape[1]
+        return x + block.attention(block.attention_norm(x), None, self.cos[:, :T], self.sin[:, :T], self.causal[:T, :T])
+
+    @staticmethod
+    def feed_forward(block, h):
+        return h + block.feed_forward(block.ffn_norm(h))
+
     @torch.no_grad()
-    def run(self, block, inputs, watch=None, keep_outputs=False):
-        """Replay `block` over `inputs` (one tensor [B, T, dim] per batch). `watch` maps a linear's
-        name to the InputStatistics its input is added to (counted positions only)."""
+    def run(self, block, fn, inputs, watch=None, keep_outputs=False):
+        """fn(x) for each stored batch x [B, T, dim]. `watch` maps a linear's name in `block` to
+        the InputStatistics its input is added to (counted positions only)."""
         current = {}
         hooks = [block.get_submodule(name).register_forward_pre_hook(
                      lambda module, args, stats=stats: stats.add(args[0], current["counted"]))
@@ -110,8 +120,7 @@ class BlockReplay:
         try:
             for x, counted in zip(inputs, self.counted):
                 current["counted"] = counted
-                T = x.shape[1]
-                y = block(x.to(self.device), None, self.cos[:, :T], self.sin[:, :T], self.causal[:T, :T])
+                y = fn(x.to(self.device))
                 if keep_outputs:
                     outputs.append(y.to(self.activation_device))
         finally:
@@ -121,12 +130,53 @@ class BlockReplay:
         return outputs
 
 
+def prune_block(block, replay: BlockReplay, inputs, names, prune_linear, one_shot=False):
+    """Prune the linears `names` of `block` (prune_linear(name, statistics) does one) and return
+    the block's outputs on `inputs`, computed with the pruned weights (sequential) or the dense
+    ones (one-shot)."""
+    def statistics(*linears):
+        return {n: InputStatistics(block.get_submodule(n).in_features, replay.device) for n in linears if n in names}
+
+    attention = lambda x: replay.attention(block, x)  # noqa: E731
+    feed_forward = lambda h: replay.feed_forward(block, h)  # noqa: E731
+    if one_shot:  # every statistic from the dense block, in one replay
+        attention_stats = statistics("attention.wqkv", "attention.wo")
+        feed_forward_stats = statistics("feed_forward.w13", "feed_forward.w2")
+        hidden = replay.run(block, attention, inputs, attention_stats, keep_outputs=True)
+        outputs = replay.run(block, feed_forward, hidden, feed_forward_stats, keep_outputs=True)
+        for name, stats in {**attention_stats, **feed_forward_stats}.items():
+            prune_linear(name, stats)
+        return outputs
+
+    # Sequential: each linear is calibrated after the ones before it are pruned, by a replay that
+    # runs only as far as that linear (wo's input does not depend on wo, nor w2's on w2).
+    reaching = {
+        "attention.wqkv": lambda x: block.attention.wqkv(block.attention_norm(x)),
+        "attention.wo": attention,
+        "feed_forward.w13": lambda h: block.feed_forward.w13(block.ffn_norm(h)),
+        "feed_forward.w2": feed_forward,
+    }
+
+    def calibrate_and_prune(name, stream):
+        for name, stats in statistics(name).items():
+            replay.run(block, reaching[name], stream, {name: stats})
+            prune_linear(name, stats)
+
+    calibrate_and_prune("attention.wqkv", inputs)
+    calibrate_and_prune("attention.wo", inputs)
+    hidden = replay.run(block, attention, inputs, keep_outputs=True)
+    calibrate_and_prune("feed_forward.w13", hidden)
+    calibrate_and_prune("feed_forward.w2", hidden)
+    return replay.run(block, feed_forward, hidden, keep_outputs=True)
+
+
 def pick_activation_device(device, n_tokens, dim, dtype):
-    """Keep the calibration activations on the GPU when inputs + outputs fit in a quarter of its
-    free memory, else on the CPU (an 8B model with 1M tokens needs ~16 GB for the pair)."""
+    """Keep the calibration activations on the GPU when the three sets alive at once (block inputs,
+    mid-block hidden states, outputs) fit in a quarter of its free memory, else on the CPU (an 8B
+    model with 1M tokens needs ~25 GB for them)."""
     if device.type != "cuda":
         return device
-    need = 2 * n_tokens * dim * torch.finfo(dtype).bits // 8
+    need = 3 * n_tokens * dim * torch.finfo(dtype).bits // 8
     return device if need < torch.cuda.mem_get_info(device)[0] // 4 else torch.device("cpu")
 
 
@@ -154,22 +204,17 @@ def prune_model(checkpoint, calibration: CalibrationSet, method: str, pattern: s
     masks = {}
     for i, block in enumerate(tqdm(model.layers, desc=f"{method} {pattern}", unit="block")):
         block.to(device, compute_dtype)
-        block_names = [n.split(".", 2)[2] for n in names if n.startswith(f"layers.{i}.")]
-        stats = {name: InputStatistics(block.get_submodule(name).in_features, device) for name in block_names}
-        if one_shot:  # all statistics and the next block's (dense) inputs from one dense replay
-            next_inputs = replay.run(block, inputs, stats, keep_outputs=True)
-        for name in block_names:
-            if not one_shot:
-                replay.run(block, inputs, {name: stats[name]})
+
+        def prune_linear(name, stats):
             linear = block.get_submodule(name)
-            pruned, keep = METHODS[method](linear.weight.data, stats.pop(name), pattern)
+            pruned, keep = METHODS[method](linear.weight.data, stats, pattern)
             linear.weight.data = pruned  # rebind, never write into the memory-mapped source tensor
             masks[f"layers.{i}.{name}"] = keep.cpu()
-        if not one_shot:
-            next_inputs = replay.run(block, inputs, keep_outputs=True)
-        inputs = next_inputs
+
+        block_names = [n.split(".", 2)[2] for n in names if n.startswith(f"layers.{i}.")]
+        inputs = prune_block(block, replay, inputs, block_names, prune_linear, one_shot)
         block.to("cpu", storage_dtype)
-    del inputs, next_inputs
+    del inputs
 
     state_dict = packed_state_dict(model, masks, pattern)
     prune_seconds = time.perf_counter() - started
@@ -184,11 +229,21 @@ def prune_model(checkpoint, calibration: CalibrationSet, method: str, pattern: s
                          collection="one-shot" if one_shot else "sequential"),
         seed=seed,
         source_checkpoint=str(Path(checkpoint).resolve()),
-        tokenizer_dir=source_metadata.get("tokenizer_dir") or str(Path(checkpoint).resolve().parent),
+        tokenizer_dir=source_tokenizer_dir(checkpoint, source_metadata),
         timing=dict(prune_seconds=round(prune_seconds, 2), peak_memory_bytes=peak, device=str(device)),
     )
     save_checkpoint(out, state_dict, config, metadata)
     return metadata
+
+
+def source_tokenizer_dir(checkpoint, source_metadata) -> str:
+    """Where the source's tokenizer lives (beside it, or where its metadata points), so the pruned
+    checkpoint written elsewhere finds it; the source's folder if it has none."""
+    from tokenizer import find_tokenizer
+    try:
+        return str(Path(find_tokenizer(checkpoint, source_metadata)).resolve())
+    except FileNotFoundError:
+        return str(Path(checkpoint).resolve().parent)
 
 
 def packed_state_dict(model, masks, pattern):
@@ -216,7 +271,7 @@ def peak_memory_bytes(device) -> int:
 def build_calibration(args, config, device) -> CalibrationSet:
     from tokenizer import find_tokenizer, load_tokenizer  # the generation stack, needed only here
 
-    tokenizer = load_tokenizer(find_tokenizer(args.checkpoint))
+    tokenizer = load_tokenizer(find_tokenizer(args.checkpoint))  # the generator must share it (vocab checked below)
     if args.calib == "text":
         path = download_c4_shard() if args.text == "c4" else args.text
         return text_windows(tokenizer, path, args.tokens, args.seq_len, args.seed)

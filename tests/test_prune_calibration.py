@@ -118,14 +118,15 @@ def test_decode_statistics_match_a_kv_cached_decode_and_exclude_the_prompt():
     replay = BlockReplay(model.config, batches, torch.device("cpu"), torch.device("cpu"))
     all_positions = [(tokens, torch.ones_like(counted)) for tokens, counted in batches]
     x = [model.tok_embeddings(tokens).detach() for tokens, _ in batches]
+    with_prompt_replay = BlockReplay(model.config, all_positions, torch.device("cpu"), torch.device("cpu"))
     for layer, reference in zip(model.layers, decode_stats):
+        whole_block = lambda x: replay.feed_forward(layer, replay.attention(layer, x))  # noqa: E731
         replayed = InputStatistics(32, dtype=torch.float64)
-        outputs = replay.run(layer, x, {"attention.wqkv": replayed}, keep_outputs=True)
+        outputs = replay.run(layer, whole_block, x, {"attention.wqkv": replayed}, keep_outputs=True)
         scale = reference.hessian.abs().max()
         torch.testing.assert_close(replayed.hessian / scale, reference.hessian / scale, rtol=0, atol=1e-4)
         with_prompt = InputStatistics(32, dtype=torch.float64)
-        BlockReplay(model.config, all_positions, torch.device("cpu"), torch.device("cpu")).run(
-            layer, x, {"attention.wqkv": with_prompt})
+        with_prompt_replay.run(layer, whole_block, x, {"attention.wqkv": with_prompt})
         assert with_prompt.hessian[SPIKE, SPIKE] > 5 * reference.hessian[SPIKE, SPIKE]  # the prompt would dominate
         x = outputs
 
