@@ -183,7 +183,6 @@ def generate(model: Transformer, prompts: Sequence[Tensor], max_new_tokens: int,
     model.setup_caches(batch_size, prompt_width + max_new_tokens)
     pads = [prompt_width - n for n in lengths]
     tokens = torch.stack([torch.cat([torch.full((pad,), pad_id), p]) for p, pad in zip(prompts, pads)]).to(device)
-    model.set_left_padding(torch.tensor(pads, device=device) if any(pads) else None)
 
     if generator is None and seed is not None:
         generator = torch.Generator(device).manual_seed(seed)
@@ -199,46 +198,70 @@ def generate(model: Transformer, prompts: Sequence[Tensor], max_new_tokens: int,
     out = torch.full((batch_size, max_new_tokens), pad_id, dtype=torch.long, device=device)
 
     sync = torch.cuda.synchronize if on_cuda else (lambda: None)
-    sync()
-    start = time.perf_counter()
-    out[:, 0] = prefill_fn(model, tokens, torch.arange(prompt_width, device=device), noise(), **sampling)
-    sync()
-    prefill_s = time.perf_counter() - start
-
     # One-token attention over the cache is tiny; under compile, the math backend lets Inductor
     # fuse it with its neighbours instead of calling a separate kernel.
-    attention = sdpa_kernel(SDPBackend.MATH) if compile else contextlib.nullcontext()
-    input_pos = torch.tensor([prompt_width], dtype=torch.long, device=device)
-    marks = [torch.cuda.Event(enable_timing=True) if on_cuda else time.perf_counter()]
-    if on_cuda:
-        marks[0].record()
-    start = time.perf_counter()
-    steps = 1
-    with attention:
-        for step in _progress(range(1, max_new_tokens), progress):
-            if eos is not None and step % EOS_CHECK_INTERVAL == 0 and _every_row_ended(out[:, :step], eos):
-                break
-            out[:, step] = decode_fn(model, out[:, step - 1:step], input_pos, noise(), **sampling)
-            input_pos += 1
-            steps += 1
-            if on_cuda:
-                marks.append(torch.cuda.Event(enable_timing=True))
-                marks[-1].record()
-            else:
-                marks.append(time.perf_counter())
-    sync()
-    decode_s = time.perf_counter() - start
-    if on_cuda:
-        step_times = [a.elapsed_time(b) / 1000 for a, b in itertools.pairwise(marks)]
-    else:
-        step_times = [b - a for a, b in itertools.pairwise(marks)]
+    decode_attention = sdpa_kernel(SDPBackend.MATH) if compile else contextlib.nullcontext()
+    with left_padding(model, pads):
+        sync()
+        start = time.perf_counter()
+        out[:, 0] = prefill_fn(model, tokens, torch.arange(prompt_width, device=device), noise(), **sampling)
+        sync()
+        prefill_s = time.perf_counter() - start
+
+        input_pos = torch.tensor([prompt_width], dtype=torch.long, device=device)
+        clock = StepClock(on_cuda)
+        start = time.perf_counter()
+        steps = 1
+        with decode_attention:
+            for step in _progress(range(1, max_new_tokens), progress):
+                if eos is not None and step % EOS_CHECK_INTERVAL == 0 and _every_row_ended(out[:, :step], eos):
+                    break
+                out[:, step] = decode_fn(model, out[:, step - 1:step], input_pos, noise(), **sampling)
+                input_pos += 1
+                steps += 1
+                clock.mark()
+        sync()
+        decode_s = time.perf_counter() - start
 
     generated = out[:, :steps].cpu()
     new_tokens = [_cut_after_eos(row, eos_ids) for row in generated]
     return GenerationResult(
         sequences=[torch.cat([p, n]) for p, n in zip(prompts, new_tokens)], prompt_lengths=lengths,
         new_tokens=new_tokens, prefill_s=prefill_s, decode_s=decode_s, decode_steps=steps - 1,
-        step_times_s=step_times)
+        step_times_s=clock.step_times())
+
+
+@contextlib.contextmanager
+def left_padding(model: Transformer, pads: list):
+    """Tell the model how many pad tokens precede each row; leave it unpadded afterwards, since
+    other callers (prune/'s teacher-forced passes) run plain forwards on the same model."""
+    model.set_left_padding(torch.tensor(pads, device=model.left_pad.device) if any(pads) else None)
+    try:
+        yield
+    finally:
+        model.set_left_padding(None)
+
+
+class StepClock:
+    """Marks the end of each decode step without waiting for the GPU: CUDA events there, the host
+    clock on CPU (where every op is synchronous anyway)."""
+
+    def __init__(self, on_cuda: bool):
+        self.on_cuda, self.marks = on_cuda, []
+        self.mark()
+
+    def mark(self):
+        if self.on_cuda:
+            self.marks.append(torch.cuda.Event(enable_timing=True))
+            self.marks[-1].record()
+        else:
+            self.marks.append(time.perf_counter())
+
+    def step_times(self) -> list:
+        """Seconds between consecutive marks; call after synchronising."""
+        if self.on_cuda:
+            return [a.elapsed_time(b) / 1000 for a, b in itertools.pairwise(self.marks)]
+        return [b - a for a, b in itertools.pairwise(self.marks)]
 
 
 def _progress(steps, show: bool):

@@ -125,6 +125,7 @@ def test_batch_of_different_lengths_equals_each_prompt_alone():
     for prompt, sequence in zip(prompts, batched.sequences):
         assert torch.equal(sequence, generate.generate(model, [prompt], 10).sequences[0])
         assert torch.equal(sequence[: len(prompt)], prompt)
+    assert not model.left_pad.any()  # the model is left unpadded for plain forwards afterwards
 
 
 def test_generation_is_cut_at_the_context_end():
