@@ -3,16 +3,18 @@
 - `spmv`: y = x @ W.T for 1..16 rows of x. Threads own output rows; the loop walks the mask
   words k and, per word, a fixed number of steps (nnz per word, a constexpr): take the lowest
   set bit, gather x at that column (all lanes of a warp hit the same 32-column chunk), multiply
-  by the next stored value, clear the bit. Split-K over programs adds fp32 partial sums into a
-  workspace with atomics; the last program of a row block to arrive casts the sum to the output
-  dtype and zeroes the workspace again, so one launch does everything and the workspace is
-  always clean for the next call.
+  by the next stored value, clear the bit. The next word's mask and values are loaded while the
+  current one is multiplied. Split-K over programs adds fp32 partial sums into a workspace with
+  atomics; the last program of a row block to arrive casts the sum to the output dtype and
+  zeroes the workspace again, so one launch does everything and the workspace is always clean
+  for the next call. Tile, warps and split are autotuned per (out, in, batch).
 - `unpack_to_dense`: expands (values, mask) into a dense weight for the prefill path
   (decompress + cuBLAS).
 
 `INTERPRETER_SAFE` (a constexpr) keeps inline PTX out so the same source runs under
 TRITON_INTERPRET=1 on CPU; the safe bit scan takes the lowest set bit's index from the float32
-exponent of (w & -w), which is exact for a power of two.
+exponent of (w & -w), which is exact for a power of two. Measurements and SASS counts behind
+these choices: docs/KERNEL_NOTES.md.
 """
 import os
 
@@ -241,6 +243,8 @@ def spmv_config(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor):
     key = (n_rows, n_words, triton.next_power_of_2(x.shape[0]), values.dtype, x.device)
     if key not in _tuned_configs:
         configs = candidate_configs(n_rows, n_words, x.shape[0])
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            return configs[0]  # cannot time inside a graph capture; warm up first to get the tuned one
         if len(configs) == 1:
             _tuned_configs[key] = configs[0]
         else:
