@@ -124,14 +124,8 @@ def _read_jsonl_field(path: Path, fields) -> list:
 
 def read_prompts(path) -> list:
     """Prompts from a jsonl(.gz) file (field prompt, input or text) or a text file (one per line)."""
-    path = Path(path)
-    if not path.is_file():
-        raise CalibrationError(f"prompt file not found: {path}")
-    if _is_jsonl(path):
-        prompts = _read_jsonl_field(path, PROMPT_FIELDS)
-    else:
-        with _open_text(path) as f:
-            prompts = [line.strip() for line in f if line.strip()]
+    prompts = _read_texts(path, PROMPT_FIELDS, "prompt file",
+                          split_plain=lambda text: [line.strip() for line in text.splitlines() if line.strip()])
     if not prompts:
         raise CalibrationError(f"no prompts in {path}")
     return prompts
@@ -139,13 +133,17 @@ def read_prompts(path) -> list:
 
 def read_documents(path) -> list:
     """Documents from a jsonl(.gz) file (field text) or a plain text file (one document)."""
+    return _read_texts(path, ("text",), "text file", split_plain=lambda text: [text])
+
+
+def _read_texts(path, fields, what: str, split_plain) -> list:
     path = Path(path)
     if not path.is_file():
-        raise CalibrationError(f"text file not found: {path}")
+        raise CalibrationError(f"{what} not found: {path}")
     if _is_jsonl(path):
-        return _read_jsonl_field(path, ("text",))
+        return _read_jsonl_field(path, fields)
     with _open_text(path) as f:
-        return [f.read()]
+        return split_plain(f.read())
 
 
 def download_c4_shard() -> Path:

@@ -3,20 +3,25 @@
 The model's weights stay on the CPU (memory-mapped from the checkpoint); one TransformerBlock at
 a time moves to the device, so peak device memory is one block plus the activations it works on:
 
-    x_0 = embeddings of the calibration sequences           (stored per padded batch)
-    for each block i:
-        for each linear of the block, in forward order (wqkv, wo, w13, w2):
-            replay the block over x_i, accumulating H = 2XXᵀ/n of that linear's input at the
-            counted positions; prune the linear in place
-        x_{i+1} = the pruned block's outputs on x_i
+    x_0 = embeddings of the calibration sequences               (stored per padded batch)
+    for each block i, with h = x + attention(attention_norm(x)):
+        replay up to wqkv on x_i  -> H of wqkv's input -> prune wqkv
+        replay attention on x_i   -> H of wo's input   -> prune wo;   h_i = the pruned attention half
+        replay up to w13 on h_i   -> H of w13's input  -> prune w13
+        replay the MLP on h_i     -> H of w2's input   -> prune w2;   x_{i+1} = the pruned block's output
 
 Sequential collection (the default) calibrates every linear on the inputs the *pruned* model
 feeds it: block i sees the outputs of already-pruned blocks 0..i-1, and inside a block wo sees
 the pruned wqkv's attention output, w2 the pruned w13's activations. That is the protocol of
-SparseGPT and Wanda: each layer's solve corrects the error the layers before it introduced, at
-the cost of one block replay per linear. `one_shot=True` instead collects all four statistics
-from the dense block in one replay and feeds each block the dense model's activations (cheaper,
-and every layer is fitted to the dense model's own inputs).
+SparseGPT and Wanda, chosen because each layer's solve then corrects the error the layers before
+it introduced; it costs about two block forwards per block (each replay stops at the linear it
+calibrates). `one_shot=True` collects all four statistics from the dense block in one replay and
+feeds each block the dense model's activations: one forward per block, every layer fitted to
+the dense model's own inputs, errors left to accumulate.
+
+All backends prune from the same statistics (prune/calibration.py's InputStatistics), computed
+only at the calibration set's counted positions (decode steps for decoding-aware calibration).
+Only the block linears are pruned by default; embeddings, norms and lm_head stay dense.
 
 Packed output: N:M linears become `<name>.values` + `<name>.mask` (sparse.pack, validated);
 unstructured ones stay dense with their zeros. Everything else is copied from the source.
@@ -57,12 +62,17 @@ def load_model_on_cpu(checkpoint):
     if "sparsity" in metadata:
         raise CheckpointError(f"{checkpoint} is already pruned ({metadata['sparsity'].get('pattern')}); "
                               f"prune the dense source checkpoint")
+    if config.tie_embeddings:  # a tied checkpoint may store the shared matrix once
+        state_dict = dict(state_dict)
+        state_dict.setdefault("output.weight", state_dict.get("tok_embeddings.weight"))
     with torch.device("meta"):
         model = Transformer(config)
     missing, unexpected = model.load_state_dict(state_dict, strict=False, assign=True)
     if missing or unexpected:
         raise CheckpointError(f"{checkpoint} does not match its config: missing {missing[:3]}, "
                               f"unexpected {unexpected[:3]}")
+    if config.tie_embeddings:  # assign=True set the two parameters separately
+        model.output.weight = model.tok_embeddings.weight
     return model, config, metadata
 
 
