@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for the sparse kernels: GPU tests, the compiled kernels' report (registers,
-# spills, SASS), the config sweep and the full benchmark table. Stages: tests report sweep bench
-# (default: all four). Details go to $OUT (the device tool's output folder) or ./runs/gpu_check:
+# spills, SASS), the config sweep, the full benchmark table, and a probe of the fixed cost of one
+# SpMV call. Stages: tests report sweep bench probe (default: the first four). Details go to $OUT (the device tool's output folder) or ./runs/gpu_check:
 # check.log (everything printed), spmv_*.sass, sweep.json, bench.json, table.md.
 #   bash scripts/gpu_sparse_check.sh tests report sweep bench
 set -uo pipefail
@@ -38,6 +38,22 @@ for cache in kernels._spmv_kernel.device_caches.values():
             print("  sass ->", path)
         except Exception as e:
             print("  no sass:", e)
+PY
+    ;;
+  probe)  # fixed cost: a 1-word matrix (launch + first loads + epilogue) against 4096x4096
+    python3 - <<'PY'
+import sys, torch
+sys.path.insert(0, "scripts")
+from bench_kernel import time_per_call, random_weight
+from sparse import kernels
+from sparse.format import pack
+x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+for n_in, configs in [(32, [(1, 4, 1), (2, 4, 1)]), (128, [(2, 4, 1), (2, 4, 2), (2, 4, 4)]),
+                      (4096, [(2, 4, 32), (2, 4, 16), (1, 4, 32), (4, 4, 8)])]:
+    copies = [pack(random_weight(4096, n_in), "2:4") for _ in range(10 if n_in == 4096 else 4)]  # 10 x 19 MB misses L2
+    for config in configs:
+        us = time_per_call([lambda v=v, m=m: kernels.spmv(x[:, :n_in], v, m, config) for v, m in copies])
+        print(f"probe 4096x{n_in} config {config}: {us:.2f} us")
 PY
     ;;
   sweep)

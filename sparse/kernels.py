@@ -189,8 +189,9 @@ def _unpack_kernel(values_ptr, mask_ptr, dense_ptr, n_rows, n_words,
 # ---------------------------------------------------------------- launchers
 
 # Split-K partial sums and per-row-block arrival counters, one pair per device, grown on demand.
-# The kernel leaves both zeroed after every call. Old buffers are kept alive because captured
-# CUDA graphs may still point at them.
+# The kernel leaves both zeroed after every call, so layers share them as long as their calls
+# run one after another (one CUDA stream). Old buffers are kept alive because captured CUDA
+# graphs may still point at them.
 _workspaces = {}
 _retired_workspaces = []
 

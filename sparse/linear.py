@@ -21,7 +21,7 @@ from sparse.format import pack, packed_shapes, unpack
 def _bitmask_matmul(x: Tensor, values: Tensor, mask: Tensor) -> Tensor:
     if x.shape[0] <= kernels.MAX_SPMV_BATCH:
         return kernels.spmv(x, values, mask)
-    return F.linear(x, kernels.unpack_to_dense(values, mask))
+    return F.linear(x, kernels.unpack_to_dense(values, mask).to(x.dtype))
 
 
 @_bitmask_matmul.register_fake
