@@ -261,3 +261,26 @@ def test_compiled_cuda_decode_matches_eager():
         eager = generate.generate(model, prompts, 24, **sampling)
         compiled = generate.generate(model, prompts, 24, compile=True, **sampling)
         assert all(torch.equal(a, b) for a, b in zip(eager.sequences, compiled.sequences))
+
+
+def test_cli_prompts_file_is_one_batch(tiny_checkpoint_with_tokenizer, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("w1 w2 w3\n\nw4 w5 w6 w7 w8 w9\n")  # blank lines are skipped
+    result = run_cli("--checkpoint", tiny_checkpoint_with_tokenizer, "--prompts_file", prompts,
+                     "--max_new_tokens", 4, "--temperature", 0)
+    assert result.returncode == 0, result.stderr
+    assert "over 2 rows" in result.stdout
+
+
+def test_cli_interactive_needs_a_chat_template(tiny_checkpoint_with_tokenizer):
+    assert_one_error_line(run_cli("--checkpoint", tiny_checkpoint_with_tokenizer, "--interactive"), "chat template")
+
+
+def test_cli_interactive_chat_with_smollm2(smollm2_checkpoint):
+    result = subprocess.run([sys.executable, str(REPO / "generate.py"), "--device", "cpu", "--checkpoint",
+                             str(smollm2_checkpoint), "--interactive", "--temperature", "0", "--max_new_tokens", "12"],
+                            input="What is the capital of France?\nAnd of Italy?\n", capture_output=True, text=True,
+                            cwd=REPO, timeout=300)
+    assert result.returncode == 0, result.stderr
+    replies = [line for line in result.stdout.splitlines() if "assistant>" in line]  # after the "you> " prompt
+    assert len(replies) == 2 and "Paris" in replies[0]
