@@ -153,10 +153,9 @@ def _group_counts_equal(words: Tensor, n: int, m: int) -> Tensor:
 
 
 def _check_words(words: Tensor, pattern: str, where: str):
-    """Raise ValueError naming the first (row, word) whose M-groups do not hold exactly N bits.
+    """Raise ValueError naming the first row and columns whose M-group does not keep exactly N.
 
-    words: (rows, words) or its transpose, as long as `where` says which; indices are reported in
-    logical terms (row, column range).
+    words: logical (rows, in/32) int32 words (the transpose of the physical mask).
     """
     n, m = _structured(pattern)
     ok = _group_counts_equal(words, n, m)
