@@ -33,6 +33,7 @@ import torch
 import torch.nn as nn
 from tqdm import tqdm
 
+from evaluation.compare import prompt_split
 from evaluation.data import data_path, read_prompts, write_json_atomic
 from evaluation.fidelity import dense_references
 from evaluation.generation import USER_ERRORS, forward_logits, load_model, load_model_and_tokenizer
@@ -222,11 +223,11 @@ def main():
     sub = parser.add_subparsers(dest="command", required=True)
     act = sub.add_parser("activation", help="per-layer discrepancy vs decode step")
     act.add_argument("--pruned", required=True)
-    act.add_argument("--prompts", help="held-out prompts (default: shared longbench_write_en.jsonl)")
+    act.add_argument("--prompts", help="held-out prompts (default: the held-out split of evaluation.compare)")
     act.add_argument("--limit", type=int, default=8)
     hes = sub.add_parser("hessian", help="AR vs C4 calibration Hessians against decode-time Hessians")
-    hes.add_argument("--calib_prompts", help="decoding-aware calibration prompts (default: shared mbpp.jsonl text)")
-    hes.add_argument("--heldout_prompts", help="prompts standing in for deployment (default: longbench_write_en.jsonl)")
+    hes.add_argument("--calib_prompts", help="decoding-aware calibration prompts (default: evaluation.compare's calibration split)")
+    hes.add_argument("--heldout_prompts", help="prompts standing in for deployment (default: compare's held-out split)")
     hes.add_argument("--text", default="c4_sample.jsonl", help="teacher-forced calibration text")
     hes.add_argument("--tokens", type=int, default=8192, help="token budget of AR and of C4 (equal)")
     hes.add_argument("--seq_len", type=int, default=512, help="C4 window length")
@@ -241,7 +242,7 @@ def main():
     try:
         dense, tokenizer = load_model_and_tokenizer(args.dense, args.device)
         if args.command == "activation":
-            prompts = read_prompts(args.prompts or data_path("longbench_write_en.jsonl"))[: args.limit]
+            prompts = (read_prompts(args.prompts) if args.prompts else prompt_split()[1])[: args.limit]
             pruned = load_model(args.pruned, args.device)
             result = activation_discrepancy(dense, pruned, dense_references(dense, tokenizer, prompts, args.max_new_tokens),
                                             dense_references(pruned, tokenizer, prompts, args.max_new_tokens))
@@ -262,12 +263,13 @@ def main():
 
 
 def hessian_study(dense, tokenizer, args) -> dict:
-    heldout = read_prompts(args.heldout_prompts or data_path("longbench_write_en.jsonl"))[: args.limit]
-    calib = read_prompts(args.calib_prompts or data_path("mbpp.jsonl"), field="text")
+    calib_default, heldout_default = prompt_split()
+    heldout = (read_prompts(args.heldout_prompts) if args.heldout_prompts else heldout_default)[: args.limit]
+    calib = read_prompts(args.calib_prompts) if args.calib_prompts else calib_default
     dec_refs = dense_references(dense, tokenizer, heldout, args.max_new_tokens)
     ar_refs, used = [], 0
-    for start in range(0, len(calib), 8):  # generate only as many calibration prompts as the budget needs
-        batch = dense_references(dense, tokenizer, calib[start:start + 8], args.max_new_tokens)
+    for start in range(0, len(calib), 16):  # generate only as many calibration prompts as the budget needs
+        batch = dense_references(dense, tokenizer, calib[start:start + 16], args.max_new_tokens, batch_size=16)
         ar_refs += batch
         used += sum(max(len(g) - 1, 0) for _, g in batch)
         if used >= args.tokens:
