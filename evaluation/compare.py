@@ -26,6 +26,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from checkpoint import atomic_write
 from evaluation.data import data_path, read_jsonl, write_json_atomic
 from evaluation.generation import USER_ERRORS
 
@@ -198,6 +199,8 @@ def main():
     parser.add_argument("--task_max_new_tokens", type=int, default=384)
     parser.add_argument("--batch_size", type=int, default=8)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--existing_only", action="store_true",
+                        help="skip cells whose pruned checkpoint is not in --workdir (tabulate what exists)")
     parser.add_argument("--out", type=Path, required=True, help="results JSON")
     parser.add_argument("--plot", type=Path, help="PNG")
     parser.add_argument("--table", type=Path, help="markdown table")
@@ -222,46 +225,56 @@ def run_grid(args) -> dict:
     args.workdir.mkdir(parents=True, exist_ok=True)
     calibration, heldout = prompt_split(args.heldout_writing, args.heldout_code)
     calib_prompts = args.workdir / "calibration_prompts.jsonl"
-    calib_prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in calibration))
+    prompt_lines = "".join(json.dumps({"prompt": p}) + "\n" for p in calibration)
+    if not calib_prompts.exists() or calib_prompts.read_text() != prompt_lines:  # another runner may be reading it
+        atomic_write(calib_prompts, lambda tmp: Path(tmp).write_text(prompt_lines))
 
-    dense, tokenizer = load_model_and_tokenizer(args.checkpoint, args.device)
-    wikitext = read_text(data_path("wikitext2_test.raw"), max_chars=8 * args.ppl_tokens)
-    references_path = args.workdir / f"dense_references_{len(heldout)}x{args.max_new_tokens}.json"
-    if references_path.exists():
-        references = [tuple(r) for r in json.loads(references_path.read_text())]
-    else:
-        references = dense_references(dense, tokenizer, heldout, args.max_new_tokens, args.batch_size)
-        write_json_atomic(references_path, references)
-    references = [r for r in references if r[1]]
-    context = {"dense": dense, "tokenizer": tokenizer, "references": references,
-               "wikitext_ids": tokenizer.encode(wikitext)[: args.ppl_tokens],
-               "dense_logits": decode_step_logits(dense, references)}
+    context = {}
+
+    def evaluation_context() -> dict:
+        """The dense model, its reference generations and decode-step logits: built on first need,
+        so a grid whose metrics are all cached is re-tabulated without running a model."""
+        if context:
+            return context
+        dense, tokenizer = load_model_and_tokenizer(args.checkpoint, args.device)
+        references_path = args.workdir / f"dense_references_{len(heldout)}x{args.max_new_tokens}.json"
+        if references_path.exists():
+            references = [tuple(r) for r in json.loads(references_path.read_text())]
+        else:
+            references = dense_references(dense, tokenizer, heldout, args.max_new_tokens, args.batch_size)
+            write_json_atomic(references_path, references)
+        references = [r for r in references if r[1]]
+        wikitext = read_text(data_path("wikitext2_test.raw"), max_chars=8 * args.ppl_tokens)
+        context.update(dense=dense, tokenizer=tokenizer, references=references,
+                       wikitext_ids=tokenizer.encode(wikitext)[: args.ppl_tokens],
+                       dense_logits=decode_step_logits(dense, references))
+        return context
 
     eval_key = (f"ppl{args.ppl_tokens}x{args.seq_len}-refs{len(heldout)}x{args.max_new_tokens}"
                 f"-tasks{'+'.join(args.tasks) or 'none'}{args.task_limit if args.tasks else ''}")
     dense_metrics = cached_metrics(args.workdir / f"dense.{eval_key}.json",
-                                   lambda: evaluate_checkpoint(args, dense, context))
+                                   lambda: evaluate_checkpoint(args, evaluation_context()["dense"], evaluation_context()))
     grid = [(m, p, c, s) for s in args.seeds for p in args.patterns for m in args.methods for c in CALIBRATIONS]
-    runs, results = [], {}
+    runs = []
     for method, pattern, calib, seed in tqdm(grid, desc="grid"):
         name = run_name(method, pattern, calib, seed)
         checkpoint = args.workdir / f"{name}.pth"
+        if args.existing_only and not checkpoint.exists():
+            continue
         prune(args, method, pattern, calib, seed, calib_prompts, checkpoint)
-        metrics = cached_metrics(args.workdir / f"{name}.{eval_key}.json",
-                                 lambda: evaluate_checkpoint(args, load_model(checkpoint, args.device), context))
+        metrics = cached_metrics(args.workdir / f"{name}.{eval_key}.json", lambda: evaluate_checkpoint(
+            args, load_model(checkpoint, args.device), evaluation_context()))
         runs.append({"method": method, "pattern": pattern, "calib": calib, "seed": seed, "metrics": metrics})
-        results = write_results(args, runs, dense_metrics, len(references), eval_key)
-    return results
+        write_results(args, runs, dense_metrics, eval_key)
+    return write_results(args, runs, dense_metrics, eval_key)
 
 
-def write_results(args, runs, dense_metrics, n_references, eval_key) -> dict:
+def write_results(args, runs, dense_metrics, eval_key) -> dict:
     table = aggregate(runs)
-    results = {"checkpoint": str(args.checkpoint), "calibration_tokens": args.tokens, "heldout_sequences": n_references,
-               "evaluation": eval_key, "dense": dense_metrics, "runs": runs,
+    results = {"checkpoint": str(args.checkpoint), "calibration_tokens": args.tokens, "evaluation": eval_key, "dense": dense_metrics, "runs": runs,
                "table_markdown": markdown_table(table, dense_metrics), "verdicts": verdicts(table)}
     write_json_atomic(args.out, results)
     if args.table:
-        from checkpoint import atomic_write
         atomic_write(args.table, lambda tmp: Path(tmp).write_text(results["table_markdown"]))
     if args.plot:
         plot(table, dense_metrics, args.plot)
