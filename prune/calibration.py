@@ -124,26 +124,26 @@ def _read_jsonl_field(path: Path, fields) -> list:
 
 def read_prompts(path) -> list:
     """Prompts from a jsonl(.gz) file (field prompt, input or text) or a text file (one per line)."""
-    prompts = _read_texts(path, PROMPT_FIELDS, "prompt file",
-                          split_plain=lambda text: [line.strip() for line in text.splitlines() if line.strip()])
+    prompts = _read_texts(path, PROMPT_FIELDS, "prompt file")
     if not prompts:
         raise CalibrationError(f"no prompts in {path}")
     return prompts
 
 
 def read_documents(path) -> list:
-    """Documents from a jsonl(.gz) file (field text) or a plain text file (one document)."""
-    return _read_texts(path, ("text",), "text file", split_plain=lambda text: [text])
+    """Documents from a jsonl(.gz) file (field text) or a text file, one per non-empty line (a
+    paragraph: text_windows then tokenizes only as many as its budget needs, not a whole corpus)."""
+    return _read_texts(path, ("text",), "text file")
 
 
-def _read_texts(path, fields, what: str, split_plain) -> list:
+def _read_texts(path, fields, what: str) -> list:
     path = Path(path)
     if not path.is_file():
         raise CalibrationError(f"{what} not found: {path}")
     if _is_jsonl(path):
         return _read_jsonl_field(path, fields)
     with _open_text(path) as f:
-        return split_plain(f.read())
+        return [line.strip() for line in f if line.strip()]
 
 
 def download_c4_shard() -> Path:

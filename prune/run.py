@@ -212,7 +212,8 @@ def prune_model(checkpoint, calibration: CalibrationSet, method: str, pattern: s
     with torch.no_grad():
         inputs = [model.tok_embeddings(tokens).to(activation_device, compute_dtype) for tokens, _ in batches]
     masks = {}
-    for i, block in enumerate(tqdm(model.layers, desc=f"{method} {pattern}", unit="block")):
+    last_pruned_layer = max(int(name.split(".")[1]) for name in names)  # blocks after it stay as they are
+    for i, block in enumerate(tqdm(model.layers[:last_pruned_layer + 1], desc=f"{method} {pattern}", unit="block")):
         block.to(device, compute_dtype)
 
         def prune_linear(name, stats):

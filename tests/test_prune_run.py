@@ -201,3 +201,86 @@ def test_cli_error_has_no_traceback(tmp_path):
                             capture_output=True, text=True, cwd=prune.run.__file__.rsplit("/prune/", 1)[0])
     assert result.returncode != 0
     assert result.stderr.strip().splitlines() == [f"prune: error: checkpoint not found: {tmp_path / 'none.pth'}"]
+
+
+@pytest.fixture(scope="module")
+def checkpoints_with_tokenizer(tmp_path_factory):
+    """Two random 512-token models (pruned one, generator) beside stories260K's tokenizer."""
+    import shutil
+    from tests.conftest import STORIES260K_DIR
+    if not (STORIES260K_DIR / "tok512.bin").is_file():
+        pytest.skip(f"stories260K's tokenizer is not at {STORIES260K_DIR}")
+    folder = tmp_path_factory.mktemp("with_tokenizer")
+    shutil.copy(STORIES260K_DIR / "tok512.bin", folder / "tok512.bin")
+    config = ModelArgs(block_size=256, vocab_size=512, n_layer=2, n_head=4, n_local_heads=2, dim=64,
+                       intermediate_size=96, tie_embeddings=True)
+    paths = []
+    for seed, name in ((0, "model.pth"), (1, "generator.pth")):
+        torch.manual_seed(seed)
+        (folder / name.split(".")[0]).mkdir()
+        save_checkpoint(folder / name.split(".")[0] / name, Transformer(config).state_dict(), config,
+                        {"tokenizer_dir": str(folder)})
+        paths.append(folder / name.split(".")[0] / name)
+    return paths
+
+
+def test_cli_text_calibration(checkpoints_with_tokenizer, tmp_path):
+    from tests.conftest import SHARED
+    text = SHARED / "data" / "wikitext2_test.raw"
+    if not text.is_file():
+        pytest.skip(f"{text} is absent")
+    target, _ = checkpoints_with_tokenizer
+    out = tmp_path / "pruned.pth"
+    main(["--checkpoint", str(target), "--method", "wanda", "--pattern", "50%", "--calib", "text", "--text", str(text),
+          "--tokens", "300", "--seq_len", "64", "--device", "cpu", "--out", str(out)])
+    state_dict, _, metadata = load_checkpoint(out)
+    assert metadata["calibration"]["kind"] == "text" and metadata["calibration"]["counted_tokens"] == 5 * 64
+    assert metadata["tokenizer_dir"] == str(target.parent.parent.resolve())
+    assert (state_dict["layers.1.feed_forward.w2.weight"] == 0).float().mean() == 0.5
+
+
+def test_cli_cross_model_decode_calibration(checkpoints_with_tokenizer, tmp_path):
+    target, generator = checkpoints_with_tokenizer
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Once upon a time\nThe cat sat\n")
+    out = tmp_path / "pruned.pth"
+    main(["--checkpoint", str(target), "--generator", str(generator), "--method", "sparsegpt", "--pattern", "2:4",
+          "--calib", "decode", "--prompts", str(prompts), "--tokens", "30", "--max_new_tokens", "8",
+          "--batch_size", "2", "--greedy", "--device", "cpu", "--out", str(out)])
+    _, _, metadata = load_checkpoint(out)
+    calibration = metadata["calibration"]
+    assert calibration["kind"] == "decode" and calibration["sampling"] == {"greedy": True}
+    assert calibration["generator"] == str(generator.resolve()) and calibration["prompt_file"] == str(prompts)
+    assert calibration["counted_tokens"] == 14  # greedy: one pass over 2 prompts, 7 decode steps each
+
+
+def test_cli_rejects_a_generator_with_another_vocabulary(checkpoints_with_tokenizer, tiny_checkpoint, tmp_path):
+    target, _ = checkpoints_with_tokenizer
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("hello\n")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--checkpoint", str(target), "--generator", str(tiny_checkpoint), "--prompts", str(prompts),
+              "--tokens", "10", "--device", "cpu", "--out", str(tmp_path / "o.pth")])
+    assert "must share a tokenizer" in exit_info.value.code
+
+
+@pytest.mark.slow
+def test_cli_decode_calibration_on_smollm2(smollm2_checkpoint, tmp_path, capsys):
+    """The whole path on the real default model: chat-templated prompts, sampled generation,
+    decode-only statistics, packed output that generate.py loads (two blocks pruned to stay fast)."""
+    import generate
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "Write a haiku about the sea."}\n{"prompt": "Name three primes."}\n')
+    out = tmp_path / "pruned.pth"
+    main(["--checkpoint", str(smollm2_checkpoint), "--method", "sparsegpt", "--pattern", "2:4", "--calib", "decode",
+          "--prompts", str(prompts), "--tokens", "40", "--max_new_tokens", "16", "--batch_size", "2",
+          "--include", "layers.0.*", "layers.1.*", "--device", "cpu", "--out", str(out)])
+    assert "wrote" in capsys.readouterr().out
+    state_dict, _, metadata = load_checkpoint(out)
+    assert metadata["calibration"]["kind"] == "decode" and metadata["calibration"]["counted_tokens"] == 40
+    assert metadata["calibration"]["sampling"] == {"temperature": 0.7, "top_k": 20, "top_p": 0.8}
+    assert metadata["tokenizer_dir"] == str(smollm2_checkpoint.parent.resolve())
+    assert len(metadata["sparsity"]["layers"]) == 8 and "layers.2.attention.wqkv.weight" in state_dict
+    model = generate.load_model(out, "cpu", torch.float32)
+    result = generate.generate(model, [torch.tensor([1, 2, 3])], 4)
+    assert len(result.new_tokens[0]) == 4
