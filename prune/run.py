@@ -5,10 +5,10 @@ a time moves to the device, so peak device memory is one block plus the activati
 
     x_0 = embeddings of the calibration sequences               (stored per padded batch)
     for each block i, with h = x + attention(attention_norm(x)):
-        replay up to wqkv on x_i  -> H of wqkv's input -> prune wqkv
-        replay attention on x_i   -> H of wo's input   -> prune wo;   h_i = the pruned attention half
-        replay up to w13 on h_i   -> H of w13's input  -> prune w13
-        replay the MLP on h_i     -> H of w2's input   -> prune w2;   x_{i+1} = the pruned block's output
+        attention_norm(x_i)         -> H of wqkv's input -> prune wqkv
+        replay attention on x_i     -> H of wo's input   -> prune wo;   h_i = the pruned attention half
+        ffn_norm(h_i)               -> H of w13's input  -> prune w13
+        replay the MLP on h_i       -> H of w2's input   -> prune w2;   x_{i+1} = the pruned block's output
 
 Sequential collection (the default) calibrates every linear on the inputs the *pruned* model
 feeds it: block i sees the outputs of already-pruned blocks 0..i-1, and inside a block wo sees
@@ -116,9 +116,9 @@ class BlockReplay:
         return h + block.feed_forward(block.ffn_norm(h))
 
     @torch.no_grad()
-    def run(self, block, fn, inputs, watch=None, keep_outputs=False):
+    def run(self, block, fn, inputs, watch=None, collect=None, keep_outputs=False):
         """fn(x) for each stored batch x [B, T, dim]. `watch` maps a linear's name in `block` to
-        the InputStatistics its input is added to (counted positions only)."""
+        the InputStatistics its input is added to; `collect` takes fn's outputs (counted positions only)."""
         current = {}
         hooks = [block.get_submodule(name).register_forward_pre_hook(
                      lambda module, args, stats=stats: stats.add(args[0], current["counted"]))
@@ -131,6 +131,8 @@ class BlockReplay:
             for x, counted in zip(inputs, self.counted):
                 current["counted"] = counted
                 y = fn(x.to(self.device))
+                if collect is not None:
+                    collect.add(y, counted)
                 if keep_outputs:
                     outputs.append(y.to(self.activation_device))
         finally:
@@ -158,18 +160,19 @@ def prune_block(block, replay: BlockReplay, inputs, names, prune_linear, one_sho
             prune_linear(name, stats)
         return outputs
 
-    # Sequential: each linear is calibrated after the ones before it are pruned, by a replay that
-    # runs only as far as that linear (wo's input does not depend on wo, nor w2's on w2).
-    reaching = {
-        "attention.wqkv": lambda x: block.attention.wqkv(block.attention_norm(x)),
-        "attention.wo": attention,
-        "feed_forward.w13": lambda h: block.feed_forward.w13(block.ffn_norm(h)),
-        "feed_forward.w2": feed_forward,
-    }
+    # Sequential: each linear is calibrated after the ones before it are pruned, by the shortest
+    # replay that produces its input. wqkv and w13 read a norm's output: replaying the norm is
+    # enough. wo and w2 read values inside attention / the MLP (which do not depend on wo or w2
+    # themselves): the sublayer runs and a hook on the linear catches its input.
+    norm_before = {"attention.wqkv": block.attention_norm, "feed_forward.w13": block.ffn_norm}
+    sublayer_of = {"attention.wo": attention, "feed_forward.w2": feed_forward}
 
     def calibrate_and_prune(name, stream):
         for name, stats in statistics(name).items():
-            replay.run(block, reaching[name], stream, {name: stats})
+            if name in norm_before:
+                replay.run(block, norm_before[name], stream, collect=stats)
+            else:
+                replay.run(block, sublayer_of[name], stream, watch={name: stats})
             prune_linear(name, stats)
 
     calibrate_and_prune("attention.wqkv", inputs)
