@@ -192,38 +192,46 @@ def decode_calibration(model, tokenizer, prompts: list, n_tokens: int, max_new_t
                        temperature: float = 0.7, top_k=20, top_p=0.8, seed: int = 0, batch_size: int = 16,
                        compile: bool = False) -> CalibrationSet:
     """Generate with `model` until n_tokens decode steps are collected (cycling through the
-    prompts with fresh seeds), counting only decode-step positions. The last sequence is cut so
-    the count is exact. Greedy decoding repeats itself, so it stops after one pass over the prompts."""
+    prompts, each batch with a fresh seed), counting only decode-step positions. The last sequence
+    is cut so the count is exact. Greedy decoding would repeat itself, so it stops after one pass
+    over the prompts."""
     from generate import generate  # imported here: text calibration must not need the generation stack
+    if max_new_tokens < 2:
+        raise CalibrationError("decode calibration needs max_new_tokens >= 2 (the first token comes from the prefill)")
     encoded = [torch.tensor(encode_prompt(tokenizer, p), dtype=torch.long) for p in prompts]
-    sequences, counted, total, n_batches = [], [], 0, 0
+    greedy = temperature == 0
+    sequences, counted, total = [], [], 0
+    started, n_batches, empty_batches = 0, 0, 0  # started: prompts generated so far, counting repeats
     progress = tqdm(total=n_tokens, desc="decode calibration", unit="tok")
     while total < n_tokens:
-        for start in range(0, len(encoded), batch_size):
-            batch = encoded[start:start + batch_size]
-            result = generate(model, batch, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                              eos_ids=tuple(getattr(tokenizer, "eos_ids", ())), seed=seed + n_batches,
-                              compile=compile)
-            n_batches += 1
-            for sequence, prompt_len in zip(result.sequences, result.prompt_lengths):
-                # Decode steps fed positions prompt_len .. len-2; the last token was never fed back.
-                n_decode = min(len(sequence) - 1 - prompt_len, n_tokens - total)
-                if n_decode <= 0:
-                    continue
-                sequence = sequence[:prompt_len + n_decode].cpu()
-                is_decode = torch.zeros(len(sequence), dtype=torch.bool)
-                is_decode[prompt_len:] = True
-                sequences.append(sequence)
-                counted.append(is_decode)
-                total += n_decode
-                progress.update(n_decode)
-                if total >= n_tokens:
-                    break
-            if total >= n_tokens:
-                break
-        if temperature == 0 and total < n_tokens:
+        if greedy and started == len(encoded):
             tqdm.write(f"greedy decoding of {len(prompts)} prompts gave {total} decode tokens, fewer than "
                        f"{n_tokens}; sampling (or more prompts) would give more")
+            break
+        # No bigger batch than the remaining budget can use (sequences may still end early at EOS).
+        size = min(batch_size, math.ceil((n_tokens - total) / (max_new_tokens - 1)),
+                   len(encoded) - started if greedy else batch_size)
+        batch = [encoded[(started + j) % len(encoded)] for j in range(size)]
+        started += size
+        result = generate(model, batch, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                          eos_ids=tuple(getattr(tokenizer, "eos_ids", ())), seed=seed + n_batches, compile=compile)
+        n_batches += 1
+        total_before = total
+        for sequence, prompt_len in zip(result.sequences, result.prompt_lengths):
+            # Decode steps fed positions prompt_len .. len-2; the last token was never fed back.
+            n_decode = min(len(sequence) - 1 - prompt_len, n_tokens - total)
+            if n_decode <= 0:
+                continue
+            sequence = sequence[:prompt_len + n_decode].cpu()
+            is_decode = torch.zeros(len(sequence), dtype=torch.bool)
+            is_decode[prompt_len:] = True
+            sequences.append(sequence)
+            counted.append(is_decode)
+            total += n_decode
+        progress.update(total - total_before)
+        empty_batches = empty_batches + 1 if total == total_before else 0
+        if empty_batches * batch_size >= len(encoded) + batch_size:
+            tqdm.write(f"stopping at {total} decode tokens: a whole pass over the prompts gave none (all ended at once)")
             break
     progress.close()
     if total == 0:
