@@ -320,7 +320,7 @@ def parse_args(argv):
     p.add_argument("--text", help="corpus for --calib text (jsonl field text, or plain text); 'c4' downloads a C4 shard")
     p.add_argument("--tokens", type=int, default=1_000_000,
                    help="calibration budget: decode tokens (decode) or window tokens (text)")
-    p.add_argument("--seq_len", type=int, default=2048, help="window length for --calib text")
+    p.add_argument("--seq_len", type=int, help="window length for --calib text (default: 2048, or the model's context if shorter)")
     p.add_argument("--out", required=True, help="output checkpoint (.pth), written atomically")
     p.add_argument("--generator", help="checkpoint that generates the calibration text (same tokenizer); default: the pruned model")
     p.add_argument("--seed", type=int, default=0)
@@ -344,7 +344,7 @@ def parse_args(argv):
     if args.calib == "text" and not args.text:
         p.error("--calib text needs --text FILE (or --text c4)")
     for flag in ("tokens", "seq_len", "max_new_tokens", "batch_size", "batch_tokens"):
-        if getattr(args, flag) <= 0:
+        if getattr(args, flag) is not None and getattr(args, flag) <= 0:
             p.error(f"--{flag} must be positive")
     return args
 
@@ -360,6 +360,9 @@ def main(argv=None):
         model, config, _ = load_model_on_cpu(args.checkpoint)
         selected_linears(model, args.pattern, args.include, args.exclude)
         del model
+        args.seq_len = args.seq_len or min(2048, config.block_size)
+        if args.seq_len > config.block_size:
+            raise ValueError(f"--seq_len {args.seq_len} exceeds the model's context of {config.block_size} tokens")
         calibration = build_calibration(args, config, device)
         calibrated = time.perf_counter()
         calibration.info["seconds"] = round(calibrated - started, 2)
