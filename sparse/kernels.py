@@ -210,6 +210,17 @@ def _workspace(device, n_elements: int, n_counters: int):
     return held
 
 
+def reserve_workspace(device, n_rows: int):
+    """Allocate the workspace for layers of up to n_rows outputs now, in eager mode.
+
+    Must happen before a CUDA graph is recorded: under torch.compile(mode="reduce-overhead") a
+    workspace first allocated inside the compiled step would land in the graph's private memory
+    pool while this module still holds it, which cudagraph trees reject ("tensors in the
+    cudagraph pool not tracked as outputs"). The smallest row block is 32 rows (one warp).
+    """
+    _workspace(device, MAX_SPMV_BATCH * n_rows, triton.cdiv(n_rows, 32))
+
+
 def candidate_configs(n_rows: int, n_words: int, batch: int):
     """(rows per thread, warps, split) worth timing for a shape.
 

@@ -33,6 +33,8 @@ def sparse_matmul(x: Tensor, values: Tensor, mask: Tensor) -> Tensor:
     """x @ W.T for x of shape (..., in), W given packed as (values, mask)."""
     if x.device.type == "cpu" and not kernels.INTERPRETING:
         return F.linear(x, unpack(values, mask).to(x.dtype))
+    if x.is_cuda and not torch.compiler.is_compiling():
+        kernels.reserve_workspace(x.device, mask.shape[1])  # eager calls (e.g. the prefill) run first
     rows = x.reshape(-1, x.shape[-1])
     if not rows.is_contiguous():
         rows = rows.contiguous()
@@ -60,7 +62,18 @@ class SparseLinear(nn.Module):
         return layer
 
     def forward(self, x: Tensor) -> Tensor:
+        if x.device.type == "cpu" and not kernels.INTERPRETING:
+            return F.linear(x, self._unpacked_for_cpu().to(x.dtype))
         return sparse_matmul(x, self.values, self.mask)
+
+    def _unpacked_for_cpu(self) -> Tensor:
+        """The CPU has no sparse kernel (it is the correctness path: calibration, evaluation), and
+        unpacking every layer on every decode step made CPU generation ~10x slower than dense; so
+        unpack once and keep it, again whenever the buffers are replaced or changed in place."""
+        key = (self.values.data_ptr(), self.values._version, self.mask.data_ptr(), self.mask._version)
+        if getattr(self, "_cpu_weight_key", None) != key:
+            self._cpu_weight, self._cpu_weight_key = unpack(self.values, self.mask), key
+        return self._cpu_weight
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, pattern={self.pattern}"

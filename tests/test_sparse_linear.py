@@ -27,6 +27,18 @@ def test_sparse_linear_matches_pruned_dense(pattern):
     assert torch.allclose(sparse_matmul(x, layer.values, layer.mask), x @ pruned.T)
 
 
+def test_cpu_path_follows_buffers_changed_in_place():
+    # The CPU path keeps an unpacked copy; it must not serve stale weights.
+    layer = SparseLinear.from_dense(torch.randn(40, 64, dtype=torch.float64), "2:4")
+    x = torch.randn(3, 64, dtype=torch.float64)
+    before = layer(x)
+    values, mask = pack(torch.randn(40, 64, dtype=torch.float64), "2:4")
+    layer.values.copy_(values)
+    layer.mask.copy_(mask)
+    assert torch.allclose(layer(x), x @ unpack(values, mask).T)
+    assert not torch.allclose(layer(x), before)
+
+
 def test_from_dense_refuses_bias():
     with pytest.raises(ValueError, match="bias"):
         SparseLinear.from_dense(nn.Linear(64, 8), "2:4")
