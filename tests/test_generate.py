@@ -263,6 +263,22 @@ def test_compiled_cuda_decode_matches_eager():
         assert all(torch.equal(a, b) for a, b in zip(eager.sequences, compiled.sequences))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_compiled_cuda_decode_of_a_sparse_model_matches_eager():
+    # The SpMV kernel's split-K workspace must exist before the CUDA graph is recorded; a lazily
+    # allocated one once landed in the graph's pool and cudagraph trees refused the step.
+    import sparse
+
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(**dict(TINY["llama"], intermediate_size=64))).eval()  # in_features % 32 == 0
+    model = sparse.swap_to_sparse(model, "2:4").cuda()
+    prompts = [random_prompt(5, 1), random_prompt(9, 2)]
+    eager = generate.generate(model, prompts, 24)
+    compiled = generate.generate(model, prompts, 24, compile=True)
+    assert all(torch.equal(a, b) for a, b in zip(eager.sequences, compiled.sequences))
+
+
 def test_cli_prompts_file_is_one_batch(tiny_checkpoint_with_tokenizer, tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("w1 w2 w3\n\nw4 w5 w6 w7 w8 w9\n")  # blank lines are skipped
