@@ -101,19 +101,19 @@ def free(model):
     torch.cuda.empty_cache()
 
 
-def bench(args) -> list:
-    rows, start = [], time.perf_counter()
+def bench(args, rows: list):
+    """Appends a row per configuration to `rows` as it goes, so a failure keeps what was measured."""
+    start = time.perf_counter()
     remaining = lambda: args.deadline_s - (time.perf_counter() - start)  # noqa: E731
     sparse_patterns = [p for p in args.patterns if p != "dense"]
     for name in args.models:
         dense_step_s = {}  # batch size -> our dense median step, for the speedup columns
         if "dense" in args.patterns:
-            rows += bench_model(name, [], dense_step_s, remaining, args)
+            bench_model(name, [], dense_step_s, remaining, args, rows)
             if args.gptfast and name in GPTFAST_NAMES:
-                rows += bench_gptfast(name, dense_step_s, remaining, args)
+                bench_gptfast(name, dense_step_s, remaining, args, rows)
         if sparse_patterns:
-            rows += bench_model(name, sparse_patterns, dense_step_s, remaining, args)
-    return rows
+            bench_model(name, sparse_patterns, dense_step_s, remaining, args, rows)
 
 
 def repack_in_place(model, pattern: str):
@@ -133,12 +133,13 @@ def repack_in_place(model, pattern: str):
             module.pattern = pattern
 
 
-def bench_model(name: str, sparse_patterns: list, dense_step_s: dict, remaining, args) -> list:
+def bench_model(name: str, sparse_patterns: list, dense_step_s: dict, remaining, args, rows: list):
     """Our generate() on one model shape at every batch size: dense if sparse_patterns is empty,
     else each pattern in turn (one compile per batch size, patterns swapped in place)."""
     patterns = sparse_patterns or ["dense"]
     if remaining() <= 0:
-        return [dict(model=name, pattern=p, error="skipped: past --deadline_s") for p in patterns]
+        rows += [dict(model=name, pattern=p, error="skipped: past --deadline_s") for p in patterns]
+        return
     torch.cuda.reset_peak_memory_stats()
     model = random_model(name)
     model.setup_caches(max(args.batch_sizes), args.prompt_length + args.new_tokens)
@@ -146,7 +147,6 @@ def bench_model(name: str, sparse_patterns: list, dense_step_s: dict, remaining,
         import sparse
 
         sparse.swap_to_sparse(model, sparse_patterns[0])  # lm_head stays dense
-    rows = []
     for batch_size in args.batch_sizes:
         for pattern in patterns:
             row = dict(model=name, pattern=pattern, batch=batch_size, engine="ours")
@@ -169,12 +169,10 @@ def bench_model(name: str, sparse_patterns: list, dense_step_s: dict, remaining,
             rows.append(row)
             print(json.dumps(row), flush=True)
     free(model)
-    return rows
 
 
-def bench_gptfast(name: str, dense_step_s: dict, remaining, args) -> list:
+def bench_gptfast(name: str, dense_step_s: dict, remaining, args, rows: list):
     """GPT-Fast's dense decode of the same shape; its GB/s uses our byte count for that shape."""
-    rows = []
     for batch_size in args.batch_sizes:
         row = dict(model=name, pattern="dense", batch=batch_size, engine="gpt-fast")
         if remaining() <= 0:
@@ -188,7 +186,6 @@ def bench_gptfast(name: str, dense_step_s: dict, remaining, args) -> list:
                 row["ours_vs_gptfast"] = round(step_s / dense_step_s[batch_size], 3)
         rows.append(dict(row, **result))
         print(json.dumps(rows[-1]), flush=True)
-    return rows
 
 
 def throughput(step_s: float, batch_size: int, step_bytes: int, copy_bandwidth: float) -> dict:
@@ -243,7 +240,7 @@ def main(argv=None):
     torch._dynamo.config.cache_size_limit = 64  # one compiled step per (model, batch size)
     env, rows = environment(), []
     try:
-        rows = bench(args)
+        bench(args, rows)
     finally:  # keep what was measured even if a later configuration fails
         args.out.mkdir(parents=True, exist_ok=True)
         results = json.dumps(dict(environment=env, rows=rows), indent=1)
