@@ -375,7 +375,13 @@ def run(args):
     def encode(text):
         if args.chat:
             return tokenizer.encode_chat([{"role": "user", "content": text}])
-        return tokenizer.encode(text, bos=True)
+        ids = tokenizer.encode(text, bos=True)
+        if ids:
+            return ids
+        # An empty prompt starts from BOS, also for models (SmolLM2, Qwen3) whose prompts carry none.
+        if tokenizer.bos_id is None:
+            raise ValueError("the prompt is empty and the tokenizer has no BOS token to start from")
+        return [tokenizer.bos_id]
 
     if args.prompts_file:
         texts = [line for line in args.prompts_file.read_text().splitlines() if line.strip()]

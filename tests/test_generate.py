@@ -300,3 +300,10 @@ def test_cli_interactive_chat_with_smollm2(smollm2_checkpoint):
     assert result.returncode == 0, result.stderr
     replies = [line for line in result.stdout.splitlines() if "assistant>" in line]  # after the "you> " prompt
     assert len(replies) == 2 and "Paris" in replies[0]
+
+
+def test_cli_empty_prompt_starts_from_bos_on_smollm2(smollm2_checkpoint):
+    # SmolLM2's prompts carry no BOS, so "" encodes to nothing; generation must still start.
+    result = run_cli("--checkpoint", smollm2_checkpoint, "--prompt", "", "--max_new_tokens", 4, "--temperature", 0)
+    assert result.returncode == 0, result.stderr
+    assert "decode: 3 steps" in result.stdout
