@@ -137,7 +137,8 @@ def verdicts(table: dict) -> list[dict]:
                 (m_c4, s_c4, _), (m_dec, s_dec, _) = c4[key], dec[key]
                 better = m_dec > m_c4 if higher_better else m_dec < m_c4
                 rows.append({"method": method, "pattern": pattern, "metric": label, "c4": m_c4, "decode": m_dec,
-                             "decode_better": better, "beyond_spread": abs(m_dec - m_c4) > s_c4 + s_dec})
+                             "decode_better": better, "tie": m_dec == m_c4,
+                             "beyond_spread": abs(m_dec - m_c4) > s_c4 + s_dec})
     return rows
 
 
@@ -211,8 +212,9 @@ def main():
         sys.exit(f"error: {e}")
     print(results["table_markdown"])
     for v in results["verdicts"]:
-        print(f"{v['method']:>9} {v['pattern']:>4} {v['metric']:>18}: decode-aware {'beats' if v['decode_better'] else 'loses to'}"
-              f" C4 ({v['decode']:.4g} vs {v['c4']:.4g}){'' if v['beyond_spread'] else ', within seed spread'}")
+        outcome = "ties" if v["tie"] else "beats" if v["decode_better"] else "loses to"
+        print(f"{v['method']:>9} {v['pattern']:>4} {v['metric']:>18}: decode-aware {outcome} C4 "
+              f"({v['decode']:.4g} vs {v['c4']:.4g}){'' if v['beyond_spread'] else ', within seed spread'}")
 
 
 def run_grid(args) -> dict:

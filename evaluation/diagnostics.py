@@ -79,6 +79,8 @@ def activation_discrepancy(dense_model, pruned_model, dense_refs, pruned_refs) -
         dense_h = block_outputs(dense_model, prompt + dense_gen)[:, at_steps]
         modes["teacher_forced"].append(relative_discrepancy(block_outputs(pruned_model, prompt + dense_gen)[:, at_steps], dense_h))
         modes["autoregressive"].append(relative_discrepancy(block_outputs(pruned_model, prompt + pruned_gen)[:, at_steps], dense_h))
+    if not modes["teacher_forced"]:
+        raise ValueError("no generated tokens to compare (every generation was empty)")
     return {mode: _mean_ragged(curves).tolist() for mode, curves in modes.items()}
 
 
@@ -244,8 +246,10 @@ def main():
         if args.command == "activation":
             prompts = (read_prompts(args.prompts) if args.prompts else prompt_split()[1])[: args.limit]
             pruned = load_model(args.pruned, args.device)
-            result = activation_discrepancy(dense, pruned, dense_references(dense, tokenizer, prompts, args.max_new_tokens),
-                                            dense_references(pruned, tokenizer, prompts, args.max_new_tokens))
+            # Fixed-length runs past EOS: a pruned model that ends at once would leave no steps to compare.
+            result = activation_discrepancy(
+                dense, pruned, dense_references(dense, tokenizer, prompts, args.max_new_tokens, stop_at_eos=False),
+                dense_references(pruned, tokenizer, prompts, args.max_new_tokens, stop_at_eos=False))
             write_json_atomic(out_dir / "activation_discrepancy.json", result)
             plot_activation(result, out_dir / "activation_discrepancy.png")
             last = torch.tensor(result["autoregressive"])[:, -1].mean().item()

@@ -82,10 +82,15 @@ def decode_fidelity(dense_model, pruned_model, references: list[tuple[list[int],
                       for d, p, (_, generated) in zip(dense_logits, pruned_logits, references, strict=True)])
 
 
-def dense_references(dense_model, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int = 8):
-    """The dense model's greedy generations: [(prompt ids, generated ids without EOS)]."""
+def dense_references(dense_model, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int = 8,
+                     stop_at_eos: bool = True):
+    """The model's greedy generations: [(prompt ids, generated ids)], EOS removed. stop_at_eos=False
+    decodes all max_new_tokens even past an EOS (fixed-length runs for the drift diagnostic)."""
     prompt_ids = [encode_prompt(tokenizer, p) for p in prompts]
-    generated = greedy_token_ids(dense_model, prompt_ids, max_new_tokens, tuple(tokenizer.eos_ids), batch_size)
+    eos_ids = tuple(tokenizer.eos_ids) if stop_at_eos else ()
+    generated = greedy_token_ids(dense_model, prompt_ids, max_new_tokens, eos_ids, batch_size)
+    if not stop_at_eos:
+        return list(zip(prompt_ids, generated))
     return [(p, [t for t in g if t not in tokenizer.eos_ids]) for p, g in zip(prompt_ids, generated)]
 
 
