@@ -29,9 +29,14 @@ def _(x: Tensor, values: Tensor, mask: Tensor) -> Tensor:
     return x.new_empty(x.shape[0], mask.shape[1])
 
 
+def _without_kernels(x: Tensor) -> bool:
+    """True where no Triton kernel can run: on the CPU, unless the interpreter is on."""
+    return x.device.type == "cpu" and not kernels.INTERPRETING
+
+
 def sparse_matmul(x: Tensor, values: Tensor, mask: Tensor) -> Tensor:
     """x @ W.T for x of shape (..., in), W given packed as (values, mask)."""
-    if x.device.type == "cpu" and not kernels.INTERPRETING:
+    if _without_kernels(x):
         return F.linear(x, unpack(values, mask).to(x.dtype))
     if x.is_cuda and not torch.compiler.is_compiling():
         kernels.reserve_workspace(x.device, mask.shape[1])  # eager calls (e.g. the prefill) run first
@@ -50,6 +55,7 @@ class SparseLinear(nn.Module):
         values_shape, mask_shape = packed_shapes(in_features, out_features, pattern)
         self.register_buffer("values", torch.zeros(values_shape, dtype=dtype or torch.get_default_dtype(), device=device))
         self.register_buffer("mask", torch.zeros(mask_shape, dtype=torch.int32, device=device))
+        self._cpu_weight, self._cpu_weight_key = None, None  # see _unpacked_for_cpu
 
     @classmethod
     def from_dense(cls, linear_or_weight, pattern: str, mask: Tensor = None) -> "SparseLinear":
@@ -62,7 +68,7 @@ class SparseLinear(nn.Module):
         return layer
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.device.type == "cpu" and not kernels.INTERPRETING:
+        if _without_kernels(x):
             return F.linear(x, self._unpacked_for_cpu().to(x.dtype))
         return sparse_matmul(x, self.values, self.mask)
 
@@ -71,7 +77,7 @@ class SparseLinear(nn.Module):
         unpacking every layer on every decode step made CPU generation ~10x slower than dense; so
         unpack once and keep it, again whenever the buffers are replaced or changed in place."""
         key = (self.values.data_ptr(), self.values._version, self.mask.data_ptr(), self.mask._version)
-        if getattr(self, "_cpu_weight_key", None) != key:
+        if self._cpu_weight_key != key:
             self._cpu_weight, self._cpu_weight_key = unpack(self.values, self.mask), key
         return self._cpu_weight
 
