@@ -2,9 +2,11 @@
 pattern, over seeds, on decode fidelity, perplexity and (optionally) task scores; a paper-style table
 and a plot.
 
-For every (method, pattern, calibration, seed) it prunes the dense checkpoint with `python -m prune`
-(skipped when the output already exists, so a run can be resumed or extended), then evaluates it;
-each checkpoint's metrics are cached as JSON next to it. Both calibrations get the same token
+For every (method, pattern, calibration, seed) it prunes the dense checkpoint with prune/'s driver,
+exactly as `python -m prune` would (skipped when the output already exists, so a run can be resumed
+or extended), then evaluates it; each checkpoint's metrics are cached as JSON next to it, and each
+decode calibration (the dense model's generations, shared by every backend and pattern at one seed)
+is cached in the workdir. Both calibrations get the same token
 budget: --tokens decode-step tokens for decoding-aware, --tokens text tokens for C4.
 
 Prompt split (nothing is evaluated on prompts it was calibrated on):
@@ -18,17 +20,20 @@ CLI: python -m evaluation.compare --checkpoint dense.pth --workdir runs/grid --s
          --out docs/results.json --plot docs/results.png --table docs/results_table.md
 """
 import argparse
+import hashlib
 import json
 import statistics
-import subprocess
 import sys
+import time
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
 from checkpoint import atomic_write
 from evaluation.data import data_path, read_jsonl, write_json_atomic
 from evaluation.generation import USER_ERRORS
+from prune.calibration import CalibrationError
 
 CALIBRATIONS = ("text", "decode")  # the C4 baseline, the paper's method
 CALIB_LABEL = {"text": "C4", "decode": "decode-aware"}
@@ -51,19 +56,66 @@ def run_name(method: str, pattern: str, calib: str, seed: int) -> str:
     return f"{method}-{pattern.replace(':', 'of').replace('%', 'pct')}-{calib}-seed{seed}"
 
 
-def prune(args, method, pattern, calib, seed, calib_prompts: Path, out: Path):
-    if out.exists():
-        return
+def prune_argv(args, method, pattern, calib, seed, calib_prompts: Path, out: Path) -> list[str]:
+    """The `python -m prune` arguments of one cell."""
     source = ["--prompts", str(calib_prompts), "--max_new_tokens", str(args.calib_max_new_tokens)] if calib == "decode" \
         else ["--text", str(data_path("c4_sample.jsonl")), "--seq_len", str(args.calib_seq_len)]
-    command = [sys.executable, "-m", "prune", "--checkpoint", str(args.checkpoint), "--method", method,
-               "--pattern", pattern, "--calib", calib, *source, "--tokens", str(args.tokens), "--seed", str(seed),
-               "--device", args.device, "--out", str(out), *args.prune_args]
-    log = out.with_suffix(".log")
-    with open(log, "w") as f:
-        finished = subprocess.run(command, stdout=f, stderr=subprocess.STDOUT)
-    if finished.returncode != 0:
-        raise RuntimeError(f"pruning failed ({' '.join(command)}); see {log}")
+    return ["--checkpoint", str(args.checkpoint), "--method", method, "--pattern", pattern, "--calib", calib, *source,
+            "--tokens", str(args.tokens), "--seed", str(seed), "--device", args.device, "--out", str(out),
+            *args.prune_args]
+
+
+def prune(args, method, pattern, calib, seed, calib_prompts: Path, out: Path):
+    """Prune one cell (skipped when its checkpoint exists) with prune/'s own argument parsing and driver,
+    so the cell is exactly `python -m prune <argv>`, except that the decode calibration comes from the
+    cache (see cached_calibration). The command and timings go to <out>.log."""
+    if out.exists():
+        return
+    from prune.run import parse_args, prune_model
+
+    argv = prune_argv(args, method, pattern, calib, seed, calib_prompts, out)
+    prune_args = parse_args(argv)
+    started = time.perf_counter()
+    calibration = cached_calibration(args.calibration_cache or args.workdir, prune_args)
+    calibration_seconds = time.perf_counter() - started
+    metadata = prune_model(prune_args.checkpoint, calibration, method, pattern, out, device=prune_args.device,
+                           one_shot=prune_args.one_shot, include=prune_args.include, exclude=prune_args.exclude,
+                           batch_tokens=prune_args.batch_tokens, seed=prune_args.seed)
+    summary = (f"python -m prune {' '.join(argv)}\n{metadata['calibration']['counted_tokens']} calibration tokens "
+               f"({metadata['calibration'].get('reused_from', 'made for this cell')}); calibration "
+               f"{calibration_seconds:.1f} s, pruning {metadata['timing']['prune_seconds']:.1f} s\n")
+    out.with_suffix(".log").write_text(summary)
+    tqdm.write(summary)
+
+
+# prune/ flags that decide what a decode calibration generates
+GENERATION_FLAGS = ("checkpoint", "generator", "tokens", "max_new_tokens", "seed", "batch_size", "temperature", "top_k",
+                    "top_p", "greedy", "device")
+
+
+def cached_calibration(cache_dir: Path, prune_args):
+    """prune/'s calibration set for these flags. A decoding-aware one is a seeded generation by the dense
+    model: the same for every backend and pattern at one seed and budget, and on a CPU the slowest part
+    of a cell, so it is made once and kept in cache_dir under a name derived from the flags and the
+    prompts; text windows are cut afresh (seconds)."""
+    from prune.calibration import CalibrationSet
+    from prune.run import build_calibration, load_model_on_cpu
+
+    _, config, _ = load_model_on_cpu(prune_args.checkpoint)
+    device = torch.device(prune_args.device)
+    if prune_args.calib == "text":
+        return build_calibration(prune_args, config, device)
+    key = {flag: str(getattr(prune_args, flag)) for flag in GENERATION_FLAGS}
+    key["prompts_sha256"] = hashlib.sha256(Path(prune_args.prompts).read_bytes()).hexdigest()
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+    path = Path(cache_dir) / f"calibration-decode-{prune_args.tokens}tok-seed{prune_args.seed}-{digest}.pt"
+    if path.exists():
+        saved = torch.load(path, weights_only=True)
+        return CalibrationSet(saved["sequences"], saved["counted"], dict(saved["info"], reused_from=str(path)))
+    calibration = build_calibration(prune_args, config, device)
+    atomic_write(path, lambda tmp: torch.save(dict(key=key, sequences=calibration.sequences,
+                                                   counted=calibration.counted, info=calibration.info), tmp))
+    return calibration
 
 
 def evaluate_checkpoint(args, model, context: dict) -> dict:
@@ -188,6 +240,8 @@ def main():
     parser.add_argument("--tokens", type=int, default=16384, help="calibration budget, the same for both sources")
     parser.add_argument("--calib_max_new_tokens", type=int, default=256, help="decode calibration: tokens per prompt")
     parser.add_argument("--calib_seq_len", type=int, default=512, help="text calibration: window length")
+    parser.add_argument("--calibration_cache", type=Path,
+                        help="folder of cached decode calibrations (default: --workdir); share it between workdirs")
     parser.add_argument("--prune_args", nargs=argparse.REMAINDER, default=[],
                         help="passed on to python -m prune (put last)")
     parser.add_argument("--heldout_writing", type=int, default=20, help="LongBench-Write prompts held out (at most 20)")
@@ -208,7 +262,7 @@ def main():
     args = parser.parse_args()
     try:
         results = run_grid(args)
-    except (*USER_ERRORS, RuntimeError) as e:
+    except (*USER_ERRORS, CalibrationError) as e:
         sys.exit(f"error: {e}")
     print(results["table_markdown"])
     for v in results["verdicts"]:

@@ -1,7 +1,17 @@
-"""The comparison runner's bookkeeping: seed aggregation, the paper-style table, verdicts, plot."""
-import pytest
+"""The comparison runner: seed aggregation, the paper-style table, verdicts, plot, and cells pruned with cached decode calibrations."""
+import dataclasses
+import shutil
+from argparse import Namespace
 
-from evaluation.compare import aggregate, markdown_table, plot, run_name, verdicts
+import pytest
+import torch
+
+from checkpoint import load_checkpoint, save_checkpoint
+from evaluation.compare import aggregate, markdown_table, plot, prune, prune_argv, run_name, verdicts
+from model import Transformer
+from prune.run import main as prune_cli
+from tests.conftest import STORIES260K_DIR
+from tests.evaluation_tiny_models import TINY
 
 
 def fake_runs():
@@ -40,3 +50,39 @@ def test_table_and_plot(tmp_path):
 def test_run_names_are_file_safe():
     assert run_name("wanda", "50%", "decode", 2) == "wanda-50pct-decode-seed2"
     assert run_name("sparsegpt", "2:4", "text", 0) == "sparsegpt-2of4-text-seed0"
+
+
+@pytest.fixture(scope="module")
+def checkpoint_with_tokenizer(tmp_path_factory):
+    """The tiny evaluation model with stories260K's 512-token vocabulary, saved beside that tokenizer
+    (decode calibration needs one)."""
+    tokenizer = STORIES260K_DIR / "tok512.bin"
+    if not tokenizer.is_file():
+        pytest.skip(f"stories260K's tokenizer is not at {tokenizer}")
+    folder = tmp_path_factory.mktemp("with_tokenizer")
+    shutil.copy(tokenizer, folder)
+    config = dataclasses.replace(TINY, vocab_size=512)
+    torch.manual_seed(0)
+    save_checkpoint(folder / "model.pth", Transformer(config).state_dict(), config)
+    return folder / "model.pth"
+
+
+def test_cells_reuse_the_decode_calibration_and_equal_the_prune_cli(checkpoint_with_tokenizer, tmp_path):
+    """The first decode cell generates and caches; a second backend reuses the cache; both checkpoints
+    equal what `python -m prune` writes for the same flags, and a new seed generates afresh."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "Once upon a time"}\n{"prompt": "The dog ran"}\n{"prompt": "Lily saw"}\n')
+    args = Namespace(checkpoint=checkpoint_with_tokenizer, calib_max_new_tokens=9, calib_seq_len=32, tokens=40,
+                     device="cpu", workdir=tmp_path / "grid", calibration_cache=None, prune_args=["--one_shot"])
+    args.workdir.mkdir()
+    for method, seed in (("sparsegpt", 0), ("wanda", 0), ("wanda", 1)):
+        cell = args.workdir / f"{method}-{seed}.pth"
+        prune(args, method, "2:4", "decode", seed, prompts, cell)
+        reference = tmp_path / f"cli-{method}-{seed}.pth"
+        prune_cli(prune_argv(args, method, "2:4", "decode", seed, prompts, reference))
+        (ours, _, meta), (theirs, _, meta_cli) = load_checkpoint(cell), load_checkpoint(reference)
+        assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+        assert meta["calibration"]["counted_tokens"] == meta_cli["calibration"]["counted_tokens"] == 40
+        assert ("reused_from" in meta["calibration"]) == (method == "wanda" and seed == 0)
+        assert meta["calibration"]["collection"] == "one-shot"
+    assert len(list(args.workdir.glob("calibration-decode-40tok-seed*.pt"))) == 2
