@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
-import torch._inductor.config
+import torch._inductor
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -131,16 +131,22 @@ def decode_one_token(model: Transformer, token: Tensor, input_pos: Tensor, noise
 
 _compiled_functions = {}
 
+# With coordinate-descent tuning, Inductor turns batch-1 matmuls (GEMVs) into reductions it
+# generates and tunes itself; cuBLAS GEMV is markedly slower on the 4096-wide shapes.
+INDUCTOR_OPTIONS = {"coordinate_descent_tuning": True, "fx_graph_cache": True}
 
-def compiled(fn, **options):
-    """torch.compile(fn, **options), made once per process and reused by every generate() call."""
-    key = (fn, tuple(sorted(options.items())))
+
+def compiled(fn, mode: Optional[str] = None, **compile_args):
+    """torch.compile(fn, mode=mode, **compile_args) with INDUCTOR_OPTIONS, made once per process and
+    reused by every generate() call.
+
+    The options travel with this compile only (Inductor applies them as a config patch while it
+    compiles), so importing or calling us leaves torch._inductor.config as the caller set it.
+    torch.compile takes `mode` or `options`, not both, so the mode's own options are merged in."""
+    key = (fn, mode, tuple(sorted(compile_args.items())))
     if key not in _compiled_functions:
-        # With coordinate-descent tuning, Inductor turns batch-1 matmuls (GEMVs) into reductions it
-        # generates and tunes itself; cuBLAS GEMV is markedly slower on the 4096-wide shapes.
-        torch._inductor.config.coordinate_descent_tuning = True
-        torch._inductor.config.fx_graph_cache = True
-        _compiled_functions[key] = torch.compile(fn, **options)
+        options = {**(torch._inductor.list_mode_options(mode) if mode else {}), **INDUCTOR_OPTIONS}
+        _compiled_functions[key] = torch.compile(fn, options=options, **compile_args)
     return _compiled_functions[key]
 
 

@@ -252,6 +252,26 @@ def test_cli_generates_and_reports_speed(tiny_checkpoint_with_tokenizer):
         assert phrase in result.stdout
 
 
+# --- compile ----------------------------------------------------------------------------------
+
+
+def test_compiled_passes_inductor_options_to_its_compile_only(monkeypatch):
+    """Our Inductor options ride on the torch.compile call (with the mode's own options, since
+    torch.compile takes one or the other); the process-wide Inductor config stays untouched."""
+    import torch._inductor.config as inductor_config
+    before = inductor_config.get_config_copy()
+    calls = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: calls.append(kwargs) or fn)
+    monkeypatch.setattr(generate, "_compiled_functions", {})
+    step = generate.compiled(generate.decode_one_token, mode="reduce-overhead", fullgraph=True, dynamic=False)
+    assert generate.compiled(generate.decode_one_token, mode="reduce-overhead", fullgraph=True, dynamic=False) is step
+    generate.compiled(generate.prefill, fullgraph=True, dynamic=True)
+    reduce_overhead = {"triton.cudagraphs": True, **generate.INDUCTOR_OPTIONS}
+    assert calls == [dict(options=reduce_overhead, fullgraph=True, dynamic=False),
+                     dict(options=generate.INDUCTOR_OPTIONS, fullgraph=True, dynamic=True)]
+    assert inductor_config.get_config_copy() == before
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_compiled_cuda_decode_matches_eager():
