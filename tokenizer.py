@@ -12,9 +12,11 @@ tok*.bin (llama2.c).
 Which chat template applies is read from what the conversion copied next to the tokenizer
 (tokenizer_config.json's `chat_template`, or chat_template.jinja), by the markers each template
 writes: "<|start_header_id|>" -> llama3 (llama3.1 if it adds the "Cutting Knowledge Date" system
-header), "<|im_start|>" with "<think>" -> qwen3, other "<|im_start|>" -> chatml. We render these in
-Python rather than running Jinja; the tests check each against transformers' apply_chat_template on
-the published templates.
+header), "<|im_start|>" with "<think>" -> qwen3, other "<|im_start|>" -> chatml, "[INST]" with
+"<<SYS>>" -> llama2. A sentencepiece tokenizer with no template of its own gets llama2 when the
+checkpoint's config.json beside it is one of model.py's Llama-2 configs (Meta's original files carry
+no template). We render these in Python rather than running Jinja; the tests check each against
+transformers' apply_chat_template on the published templates.
 """
 import base64
 import json
@@ -31,7 +33,8 @@ LLAMA3_NAMED_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_spe
                          "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>", "<|python_tag|>"]
 LLAMA3_N_SPECIALS = 256
 
-CHAT_END_TOKENS = {"llama3": "<|eot_id|>", "llama3.1": "<|eot_id|>", "qwen3": "<|im_end|>", "chatml": "<|im_end|>"}
+CHAT_END_TOKENS = {"llama3": "<|eot_id|>", "llama3.1": "<|eot_id|>", "qwen3": "<|im_end|>", "chatml": "<|im_end|>",
+                   "llama2": "</s>"}
 # Llama-3.1/3.3 open every chat with this system header. Their template's default date; Llama-3.2's
 # template uses today's date instead, which we do not follow (a prompt should not change by the day).
 LLAMA31_SYSTEM_PREAMBLE = "Cutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\n"
@@ -44,7 +47,7 @@ class Tokenizer:
                  default_system_prompt: Optional[str] = None, add_bos: bool = False):
         self.bos_id = bos_id
         self.eos_ids = set(eos_ids)
-        self.chat_template = chat_template  # "llama3", "llama3.1", "qwen3", "chatml" or None
+        self.chat_template = chat_template  # "llama3", "llama3.1", "qwen3", "chatml", "llama2" or None
         self.default_system_prompt = default_system_prompt  # ChatML templates that insert one (SmolLM2)
         self.add_bos = add_bos and bos_id is not None  # the model was trained with BOS at the start
 
@@ -107,15 +110,30 @@ class HFTokenizer(Tokenizer):
 
 
 class SentencePieceTokenizer(Tokenizer):
-    """Llama-2's tokenizer.model. It has no chat template here (Llama-2-chat's [INST] format is not one we render)."""
+    """Llama-2's tokenizer.model. Chat template: llama2 where tokenizer_config.json names it or, with no
+    template there, where the checkpoint beside it is a Llama-2 model."""
 
     def __init__(self, path: Path):
         import sentencepiece
         self.processor = sentencepiece.SentencePieceProcessor(model_file=str(path))
-        super().__init__(self.processor.bos_id(), {self.processor.eos_id()}, add_bos=True)
+        bos_id, eos_id = self.processor.bos_id(), self.processor.eos_id()
+        self.special_ids = {self.processor.id_to_piece(i): i for i in (bos_id, eos_id) if i >= 0}  # "<s>", "</s>"
+        jinja = read_tokenizer_config(path.parent).get("chat_template")
+        template = chat_template_name(jinja) or ("llama2" if not jinja and is_llama2_checkpoint(path.parent) else None)
+        super().__init__(bos_id, {eos_id}, chat_template=template, add_bos=True)
 
     def _encode(self, text):
-        return self.processor.encode(text)
+        # BOS/EOS written as text ("<s>", "</s>": the llama2 template does) become their ids, and each
+        # stretch between them is encoded on its own, with its own leading dummy-prefix space. That is
+        # how Meta's reference builds a Llama-2 chat prompt: BOS + encode(turn) + EOS, turn by turn.
+        pieces = re.split("(" + "|".join(map(re.escape, self.special_ids)) + ")", text) if self.special_ids else [text]
+        ids = []
+        for piece in pieces:
+            if piece in self.special_ids:
+                ids.append(self.special_ids[piece])
+            elif piece:
+                ids += self.processor.encode(piece)
+        return ids
 
     def decode(self, ids):
         return self.processor.decode(list(ids))
@@ -267,6 +285,22 @@ def read_tiktoken_ranks(path: Path) -> dict[bytes, int]:
     return ranks
 
 
+def is_llama2_checkpoint(folder: Path) -> bool:
+    """Whether the config.json that save_checkpoint wrote in `folder` is one of model.py's Llama-2
+    configs. norm_eps is left out of the comparison: early Hugging Face Llama-2 configs said 1e-6."""
+    from model import ModelArgs, transformer_configs
+
+    def without_norm_eps(config: dict) -> dict:
+        return {k: v for k, v in ModelArgs(**config).to_dict().items() if k != "norm_eps"}
+
+    try:
+        ours = without_norm_eps(json.loads((folder / "config.json").read_text()))
+    except (OSError, json.JSONDecodeError, TypeError, ValueError):  # absent, or not our config format
+        return False
+    return any(without_norm_eps(config) == ours for name, config in transformer_configs.items()
+               if name.startswith("Llama-2"))
+
+
 def read_tokenizer_config(folder: Path) -> dict:
     """tokenizer_config.json, with chat_template.jinja (newer HF repos) and generation_config.json's
     eos ids folded in."""
@@ -295,6 +329,8 @@ def chat_template_name(jinja: Optional[str]) -> Optional[str]:
         return "llama3.1" if "Cutting Knowledge Date" in jinja else "llama3"
     if "<|im_start|>" in jinja:
         return "qwen3" if "<think>" in jinja else "chatml"
+    if "[INST]" in jinja and "<<SYS>>" in jinja:  # Mistral's [INST] templates have no <<SYS>> block
+        return "llama2"
     return None
 
 
@@ -323,6 +359,8 @@ def render_chat(template: str, messages: list[dict], add_generation_prompt: bool
         return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
     if template == "qwen3":
         return render_qwen3(messages, add_generation_prompt)
+    if template == "llama2":
+        return render_llama2(messages)
     raise ValueError(f"unknown chat template '{template}'")
 
 
@@ -350,3 +388,23 @@ def render_qwen3(messages: list[dict], add_generation_prompt: bool) -> str:
             text += f"<|im_start|>assistant\n{content}"
         text += "<|im_end|>\n"
     return text + ("<|im_start|>assistant\n<think>\n\n</think>\n\n" if add_generation_prompt else "")
+
+
+def render_llama2(messages: list[dict]) -> str:
+    """Llama-2-chat's format, as Meta's reference chat_completion builds it: each user turn is
+    "<s>[INST] {user} [/INST]", each assistant reply " {reply} </s>", and a system message is folded
+    into the first user turn between <<SYS>> markers. A prompt ending in [/INST] is already the
+    generation prompt, so there is no add_generation_prompt."""
+    system = None
+    if messages and messages[0]["role"] == "system":
+        system, messages = messages[0]["content"], messages[1:]
+    text = ""
+    for i, m in enumerate(messages):
+        if m["role"] != ("user" if i % 2 == 0 else "assistant"):
+            raise ValueError("Llama-2 chat needs alternating user/assistant turns, starting with the user")
+        if m["role"] == "assistant":
+            text += f" {m['content'].strip()} </s>"
+            continue
+        content = m["content"] if i > 0 or system is None else f"<<SYS>>\n{system}\n<</SYS>>\n\n{m['content']}"
+        text += f"<s>[INST] {content.strip()} [/INST]"
+    return text

@@ -12,7 +12,10 @@ from tokenizer import (Llama2cTokenizer, SentencePieceTokenizer, TiktokenTokeniz
 
 DATA = Path(__file__).parent / "data"
 TEMPLATES = {name: (DATA / f"{file}_chat_template.jinja").read_text()
-             for name, file in [("llama3", "llama3"), ("llama3.1", "llama31"), ("qwen3", "qwen3"), ("chatml", "smollm2")]}
+             for name, file in [("llama3", "llama3"), ("llama3.1", "llama31"), ("qwen3", "qwen3"), ("chatml", "smollm2"),
+                                ("llama2", "llama2")]}
+# The special tokens each template writes through its bos_token / eos_token variables.
+TEMPLATE_SPECIALS = {"llama2": dict(bos_token="<s>", eos_token="</s>")}
 
 TEXTS = [
     "Hello, world!",
@@ -72,24 +75,22 @@ def test_smollm2_encode_chat_matches_transformers(smollm2_tokenizer, hf_gguf_tok
         assert smollm2_tokenizer.encode_chat(messages) == list(expected)
 
 
-@pytest.fixture(scope="module")
-def jinja_renderer():
-    """transformers' apply_chat_template on a bare tokenizer: only the template and bos_token matter."""
+def jinja_renderer(template):
+    """transformers' apply_chat_template on a bare tokenizer: only the template and special tokens matter."""
     transformers = pytest.importorskip("transformers")
     from tokenizers import Tokenizer, models
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE()),
-                                                bos_token="<|begin_of_text|>")
+    specials = TEMPLATE_SPECIALS.get(template, dict(bos_token="<|begin_of_text|>"))
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE()), **specials)
 
 
 @pytest.mark.parametrize("template", list(TEMPLATES))
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
-def test_chat_templates_match_published_jinja(jinja_renderer, template, add_generation_prompt):
-    jinja = TEMPLATES[template]
+def test_chat_templates_match_published_jinja(template, add_generation_prompt):
+    jinja, renderer = TEMPLATES[template], jinja_renderer(template)
     assert chat_template_name(jinja) == template
     for messages in CONVERSATIONS:
-        expected = jinja_renderer.apply_chat_template(messages, chat_template=jinja, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt,
-                                                      enable_thinking=False)
+        expected = renderer.apply_chat_template(messages, chat_template=jinja, tokenize=False,
+                                                add_generation_prompt=add_generation_prompt, enable_thinking=False)
         got = render_chat(template, messages, add_generation_prompt, default_system_prompt(jinja))
         assert got == expected, f"{template}: {messages}"
 
@@ -129,21 +130,80 @@ def test_tiktoken_file_loads_and_round_trips(tmp_path):
     assert load_tokenizer(tmp_path).chat_template == "llama3.1"
 
 
-def test_sentencepiece_model_loads(tmp_path):
+def write_tiny_sentencepiece_model(folder: Path, sentences, vocab_size=60, **options):
+    """A BPE sentencepiece model trained on `sentences`, as folder/tokenizer.model; returns its processor."""
     sentencepiece = pytest.importorskip("sentencepiece")
     model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(sentences), model_writer=model, model_type="bpe",
+                                             vocab_size=vocab_size, bos_id=1, eos_id=2, unk_id=0, minloglevel=2,
+                                             **options)
+    (folder / "tokenizer.model").write_bytes(model.getvalue())
+    return sentencepiece.SentencePieceProcessor(model_proto=model.getvalue())
+
+
+def test_sentencepiece_model_loads(tmp_path):
     sentences = ["the quick brown fox jumps over the lazy dog", "hello world", "a tiny sentencepiece model"] * 20
-    sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(sentences), model_writer=model, vocab_size=60,
-                                             model_type="bpe", bos_id=1, eos_id=2, unk_id=0)
-    (tmp_path / "tokenizer.model").write_bytes(model.getvalue())
+    reference = write_tiny_sentencepiece_model(tmp_path, sentences)
     tok = load_tokenizer(tmp_path / "tokenizer.model")
-    reference = sentencepiece.SentencePieceProcessor(model_proto=model.getvalue())
     assert isinstance(tok, SentencePieceTokenizer)
     assert tok.encode("hello world", bos=True) == [1] + reference.encode("hello world")
     assert tok.decode(tok.encode("the lazy fox")) == "the lazy fox"
     assert tok.eos_ids == {2} and tok.chat_template is None
     with pytest.raises(ValueError, match="no chat template"):
         tok.encode_chat([{"role": "user", "content": "hi"}])
+
+
+def meta_llama2_chat_ids(processor, messages) -> list[int]:
+    """Llama-2-chat's prompt as Meta's reference chat_completion assembles it, from the sentencepiece
+    processor directly: BOS + encode("[INST] {user} [/INST] {answer} ") + EOS per exchange, then
+    BOS + encode("[INST] {last user} [/INST]"); a system message opens the first user message."""
+    if messages[0]["role"] == "system":
+        first = f"<<SYS>>\n{messages[0]['content']}\n<</SYS>>\n\n{messages[1]['content']}"
+        messages = [{"role": "user", "content": first}] + messages[2:]
+    ids = []
+    for user, answer in zip(messages[::2], messages[1::2]):
+        text = f"[INST] {user['content'].strip()} [/INST] {answer['content'].strip()} "
+        ids += [processor.bos_id()] + processor.encode(text) + [processor.eos_id()]
+    if len(messages) % 2:
+        ids += [processor.bos_id()] + processor.encode(f"[INST] {messages[-1]['content'].strip()} [/INST]")
+    return ids
+
+
+@pytest.fixture
+def llama2_style_sentencepiece(tmp_path):
+    """A tiny tokenizer.model normalised the way Llama-2's is: no whitespace folding, byte fallback."""
+    sentences = [m["content"] for conversation in CONVERSATIONS for m in conversation] * 10
+    sentences += ["[INST] <<SYS>> [/INST] <</SYS>>", "the quick brown fox jumps over the lazy dog"] * 10
+    processor = write_tiny_sentencepiece_model(tmp_path, sentences, vocab_size=400, byte_fallback=True,
+                                               remove_extra_whitespaces=False, normalization_rule_name="identity")
+    return tmp_path, processor
+
+
+def test_llama2_chat_ids_match_metas_reference(llama2_style_sentencepiece):
+    folder, processor = llama2_style_sentencepiece
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATES["llama2"]}))
+    tok = load_tokenizer(folder)
+    assert tok.chat_template == "llama2" and tok.eos_ids == {processor.eos_id()}
+    for messages in CONVERSATIONS:
+        assert tok.encode_chat(messages) == meta_llama2_chat_ids(processor, messages), messages
+    assert tok.encode("hello world", bos=True) == [processor.bos_id()] + processor.encode("hello world")
+    with pytest.raises(ValueError, match="alternating"):
+        tok.encode_chat([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
+
+
+def test_llama2_template_comes_from_a_llama2_checkpoint_config(llama2_style_sentencepiece):
+    """Meta's original Llama-2 files have no tokenizer_config.json; the checkpoint's config.json says Llama-2."""
+    from model import ModelArgs
+    folder, _ = llama2_style_sentencepiece
+    assert load_tokenizer(folder).chat_template is None
+    for name, expected in [("Llama-2-7b", "llama2"), ("Llama-2-70b", "llama2"), ("Meta-Llama-3-8B", None)]:
+        config = ModelArgs.from_name(name).to_dict()
+        config["norm_eps"] = 1e-6
+        (folder / "config.json").write_text(json.dumps(config))
+        assert load_tokenizer(folder).chat_template == expected, name
+    # A template of its own that we do not render wins over the config: no guessing llama2 then.
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
+    assert load_tokenizer(folder).chat_template is None
 
 
 def test_llama2c_tokenizer(stories260k_dir):
