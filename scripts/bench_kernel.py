@@ -38,7 +38,7 @@ SHAPES = {  # (layer, out_features, in_features); qkv and w13 fused as in model.
     "Qwen3-32B": [("qkv", 10240, 5120), ("o", 5120, 8192), ("w13", 51200, 5120), ("w2", 5120, 25600)],
     "Llama-3.3-70B": [("qkv", 10240, 8192), ("o", 8192, 8192), ("w13", 57344, 8192), ("w2", 8192, 28672)],
 }
-SWEEP_SHAPES = [(4096, 4096), (28672, 4096), (4096, 14336), (57344, 8192)]
+SWEEP_SHAPES = [(4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336), (57344, 8192)]
 L2_BYTES = 60e6
 PREFILL = 2048
 
@@ -145,8 +145,9 @@ def bench_shape(out_features, in_features, batch, pattern, with_semi=True) -> di
 
 
 def sweep() -> list:
-    """Time spmv over (rows per thread, warps, split) on a few shapes, the autotuned choice, and
-    at batch 1 the interpreter-safe bit scan (float exponent instead of brev/bfind)."""
+    """Time every config the autotuner picks from (kernels.candidate_configs) on a few shapes, the
+    autotuned choice, and at batch 1 the interpreter-safe bit scan (float exponent instead of
+    brev/bfind)."""
     rows = []
     for out_features, in_features in SWEEP_SHAPES:
         values, mask = pack(random_weight(out_features, in_features), "2:4")
@@ -155,14 +156,9 @@ def sweep() -> list:
                                      for _ in range(copies_for(values.numel() * 2 + mask.numel() * 4) - 1)]
         for batch in (1, 4, 16):
             x = torch.randn(batch, in_features, device="cuda", dtype=torch.bfloat16)
-            for rows_per_thread in (1, 2, 4):
-                for warps in (4, 8):
-                    if rows_per_thread * batch > 32:
-                        continue
-                    for words_per_program in (2, 4, 8, 16):
-                        config = (rows_per_thread, warps, max(1, n_words // words_per_program))
-                        us = time_per_call([sparse_call(x, v, m, config) for v, m in packed], replays=7)
-                        rows.append(dict(out=out_features, inp=in_features, batch=batch, config=config, us=us))
+            for config in kernels.candidate_configs(out_features, n_words, batch):
+                us = time_per_call([sparse_call(x, v, m, config) for v, m in packed], replays=7)
+                rows.append(dict(out=out_features, inp=in_features, batch=batch, config=config, us=us))
             tuned = kernels.spmv_config(x, values, mask)
             rows.append(dict(out=out_features, inp=in_features, batch=batch, config=tuned, tuned=True,
                              us=time_per_call([sparse_call(x, v, m) for v, m in packed])))
@@ -173,9 +169,6 @@ def sweep() -> list:
                 finally:
                     kernels.INTERPRETING = False
                 rows.append(dict(out=out_features, inp=in_features, batch=batch, config=tuned, safe_scan=True, us=us))
-        for config in [(64, 4), (32, 4), (32, 8), (64, 8), (128, 2), (128, 4), (16, 8)]:  # prefill's expansion
-            us = time_per_call([lambda v=v, m=m: kernels.unpack_to_dense(v, m, config=config) for v, m in packed])
-            rows.append(dict(out=out_features, inp=in_features, expand_config=config, us=us))
         del packed, values, mask
     return rows
 
@@ -215,10 +208,6 @@ def main():
         rows = sweep()
         if args.out_json:
             args.out_json.write_text(json.dumps(rows, indent=1))
-        for r in rows:
-            if "expand_config" in r:
-                print(f"{r['out']}x{r['inp']} expand {r['expand_config']}: {r['us']:.1f} us")
-        rows = [r for r in rows if "expand_config" not in r]
         best = {}
         for r in rows:
             key = (r["out"], r["inp"], r["batch"])

@@ -17,7 +17,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 for stage in $stages; do
   case $stage in
   tests)
-    python3 -m pytest -q -m gpu tests/test_sparse_linear.py 2>&1 | tail -15 ;;
+    python3 -m pytest -q -m gpu tests/test_sparse_linear.py tests/test_generate.py 2>&1 | tail -15 ;;
   report)
     python3 - "$OUT" <<'PY' 
 import sys, torch

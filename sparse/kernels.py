@@ -3,11 +3,12 @@
 - `spmv`: y = x @ W.T for 1..16 rows of x. Threads own output rows; the loop walks the mask
   words k and, per word, a fixed number of steps (nnz per word, a constexpr): take the lowest
   set bit, gather x at that column (all lanes of a warp hit the same 32-column chunk), multiply
-  by the next stored value, clear the bit. The next word's mask and values are loaded while the
-  current one is multiplied. Split-K over programs adds fp32 partial sums into a workspace with
+  by the next stored value, clear the bit. Words go in steps of a few (a constexpr): the masks
+  and values of a whole step are loaded as register tiles one step ahead, so a program waits
+  for memory once per step, not once per word. Split-K over programs adds fp32 partial sums into a workspace with
   atomics; the last program of a row block to arrive casts the sum to the output dtype and
   zeroes the workspace again, so one launch does everything and the workspace is always clean
-  for the next call. Tile, warps and split are autotuned per (out, in, batch).
+  for the next call. Tile, warps, split and words per step are autotuned per (out, in, batch).
 - `unpack_to_dense`: expands (values, mask) into a dense weight for the prefill path
   (decompress + cuBLAS).
 
@@ -110,12 +111,58 @@ def _multiply_word(acc, tile, word, x_chunk, x_pair_stride, STEPS: tl.constexpr,
 
 
 @triton.jit
+def _load_masks(mask_ptr, k, n_words, rows, row_ok, n_rows, WORDS: tl.constexpr):
+    """Mask words k .. k+WORDS-1 of every row, joined into one register tile (see _load_word_values).
+
+    Words past the end read as all ones: the scan then stays inside a real chunk of x, and
+    their values read as zero."""
+    if WORDS == 1:
+        tile = tl.load(mask_ptr + k * n_rows + rows, mask=row_ok & (k < n_words), other=-1, cache_modifier=".cg")
+    else:
+        tile = tl.join(_load_masks(mask_ptr, k, n_words, rows, row_ok, n_rows, WORDS // 2),
+                       _load_masks(mask_ptr, k + WORDS // 2, n_words, rows, row_ok, n_rows, WORDS // 2))
+    return tile
+
+
+@triton.jit
+def _load_values(values_ptr, k, n_words, rows, row_ok, n_rows, NNZ_PER_WORD: tl.constexpr, WORDS: tl.constexpr):
+    """The values of words k .. k+WORDS-1 of every row, as one register tile."""
+    if WORDS == 1:
+        tile = _load_word_values(values_ptr + k * NNZ_PER_WORD * n_rows + rows, row_ok & (k < n_words), n_rows,
+                                 NNZ_PER_WORD)
+    else:
+        tile = tl.join(_load_values(values_ptr, k, n_words, rows, row_ok, n_rows, NNZ_PER_WORD, WORDS // 2),
+                       _load_values(values_ptr, k + WORDS // 2, n_words, rows, row_ok, n_rows, NNZ_PER_WORD,
+                                    WORDS // 2))
+    return tile
+
+
+@triton.jit
+def _multiply_words(acc, values, masks, x_ptr, k, n_words, x_pair_stride, NNZ_PER_WORD: tl.constexpr,
+                    WORDS: tl.constexpr, BATCH: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
+    """acc += the products of words k .. k+WORDS-1 (tiles from _load_masks / _load_values)."""
+    if WORDS == 1:
+        word = _prepare_word(masks, INTERPRETER_SAFE)
+        x_chunk = x_ptr + tl.minimum(k, n_words - 1) * 32  # a word past the end has zero values
+        acc, word = _multiply_word(acc, values, word, x_chunk, x_pair_stride, NNZ_PER_WORD, BATCH, INTERPRETER_SAFE)
+    else:
+        first_values, second_values = tl.split(values)
+        first_masks, second_masks = tl.split(masks)
+        acc = _multiply_words(acc, first_values, first_masks, x_ptr, k, n_words, x_pair_stride, NNZ_PER_WORD,
+                              WORDS // 2, BATCH, INTERPRETER_SAFE)
+        acc = _multiply_words(acc, second_values, second_masks, x_ptr, k + WORDS // 2, n_words, x_pair_stride,
+                              NNZ_PER_WORD, WORDS // 2, BATCH, INTERPRETER_SAFE)
+    return acc
+
+
+@triton.jit
 def _spmv_kernel(x_ptr, values_ptr, mask_ptr, y_ptr, workspace_ptr, arrivals_ptr,
                  n_rows, n_words, words_per_split, x_pair_stride,
                  NNZ_PER_WORD: tl.constexpr, BATCH: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-                 INTERPRETER_SAFE: tl.constexpr):
+                 WORDS_PER_STEP: tl.constexpr, ONE_STEP: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
     """y[:BATCH, rows] = x @ W[rows].T. x: (in,) in any float dtype if BATCH == 1, else float32
-    pairs (BATCH/2, in) viewed as int64; BATCH and NNZ_PER_WORD are powers of two."""
+    pairs (BATCH/2, in) viewed as int64; BATCH and NNZ_PER_WORD are powers of two;
+    words_per_split is a multiple of WORDS_PER_STEP."""
     row_block = tl.program_id(0)
     split = tl.program_id(1)
     rows = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
@@ -124,21 +171,26 @@ def _spmv_kernel(x_ptr, values_ptr, mask_ptr, y_ptr, workspace_ptr, arrivals_ptr
     acc = tl.zeros([BLOCK_ROWS, BATCH], dtype=tl.float32)
     k_begin = split * words_per_split
     k_end = tl.minimum(k_begin + words_per_split, n_words)
-    # Rows past the end read an all-ones word: the scan then stays inside this chunk of x, and
-    # their values read as zero.
-    next_word = tl.load(mask_ptr + k_begin * n_rows + rows, mask=row_ok, other=-1, cache_modifier=".cg")
-    next_tile = _load_word_values(values_ptr + k_begin * NNZ_PER_WORD * n_rows + rows, row_ok, n_rows, NNZ_PER_WORD)
-    for k in range(k_begin, k_end):
-        # Registers hold word k while word k+1 is already on its way: one memory latency per
-        # program instead of one per word.
-        word = _prepare_word(next_word, INTERPRETER_SAFE)
-        tile = next_tile
-        prefetch_ok = row_ok & (k + 1 < k_end)
-        next_word = tl.load(mask_ptr + (k + 1) * n_rows + rows, mask=prefetch_ok, other=-1, cache_modifier=".cg")
-        next_tile = _load_word_values(values_ptr + (k + 1) * NNZ_PER_WORD * n_rows + rows, prefetch_ok, n_rows,
-                                      NNZ_PER_WORD)
-        acc, word = _multiply_word(acc, tile, word, x_ptr + k * 32, x_pair_stride, NNZ_PER_WORD, BATCH,
-                                   INTERPRETER_SAFE)
+    # A step multiplies WORDS_PER_STEP words whose masks and values are all loaded before the
+    # first multiply, so a program waits for memory once per step, not once per word. With
+    # several steps per program the next step's tiles are loaded while this one is multiplied
+    # (twice the registers: each bf16 value takes a 32-bit register); with one step there is
+    # nothing to prefetch, and the registers go to more resident programs instead.
+    masks = _load_masks(mask_ptr, k_begin, n_words, rows, row_ok, n_rows, WORDS_PER_STEP)
+    values = _load_values(values_ptr, k_begin, n_words, rows, row_ok, n_rows, NNZ_PER_WORD, WORDS_PER_STEP)
+    if ONE_STEP:
+        acc = _multiply_words(acc, values, masks, x_ptr, k_begin, n_words, x_pair_stride, NNZ_PER_WORD,
+                              WORDS_PER_STEP, BATCH, INTERPRETER_SAFE)
+    else:
+        for k in range(k_begin, k_end, WORDS_PER_STEP):
+            step_masks = masks
+            step_values = values
+            prefetch_ok = row_ok & (k + WORDS_PER_STEP < k_end)
+            masks = _load_masks(mask_ptr, k + WORDS_PER_STEP, n_words, rows, prefetch_ok, n_rows, WORDS_PER_STEP)
+            values = _load_values(values_ptr, k + WORDS_PER_STEP, n_words, rows, prefetch_ok, n_rows, NNZ_PER_WORD,
+                                  WORDS_PER_STEP)
+            acc = _multiply_words(acc, step_values, step_masks, x_ptr, k, n_words, x_pair_stride, NNZ_PER_WORD,
+                                  WORDS_PER_STEP, BATCH, INTERPRETER_SAFE)
 
     lanes = tl.arange(0, BATCH)
     out_offsets = lanes[None, :] * n_rows + rows[:, None]
@@ -221,24 +273,32 @@ def reserve_workspace(device, n_rows: int):
     _workspace(device, MAX_SPMV_BATCH * n_rows, triton.cdiv(n_rows, 32))
 
 
-def candidate_configs(n_rows: int, n_words: int, batch: int):
-    """(rows per thread, warps, split) worth timing for a shape.
+def candidate_configs(n_rows: int, n_words: int, batch: int, nnz_per_word: int = 16):
+    """(rows per thread, warps, split, words per step) worth timing for a shape.
 
-    The first H200 sweep (docs/KERNEL_NOTES.md) said: thousands of small programs beat a few
-    long ones, because each program walks its words one after another; 4 and 8 warps tie; 1-2
-    rows per thread at batch 1, more only for the largest matrices.
+    The H200 sweeps (docs/KERNEL_NOTES.md) said: thousands of small programs beat a few long
+    ones, because a program waits for memory once per step; 4 and 8 warps tie; 1-2 rows per
+    thread at batch 1. So: one word per step over ~1-4k programs (v2), or several words per
+    step with one or two steps per program (v3: all of a program's loads in flight at once),
+    as long as the value tile stays within ~64 registers.
     """
-    if INTERPRETING:  # the interpreter is slow: one small config that still splits K
-        return [(1, 1, max(1, min(3, n_words // 2)))]
+    if INTERPRETING:  # the interpreter is slow: one small config that still splits K and steps twice
+        return [(1, 1, max(1, min(3, n_words // 4)), 2)]
     configs = []
     for rows_per_thread in (1, 2, 4):
         if rows_per_thread * batch > 32:  # accumulators would spill
             continue
         row_blocks = triton.cdiv(n_rows, rows_per_thread * 32 * 4)
-        for target_programs in (1024, 2048, 4096):
-            split = max(1, min(triton.cdiv(target_programs, row_blocks), n_words // 4))
-            if (rows_per_thread, 4, split) not in configs:
-                configs.append((rows_per_thread, 4, split))
+        for words_per_step in (1, 2, 4, 8):
+            if rows_per_thread * words_per_step * nnz_per_word > 128 or words_per_step > n_words:
+                continue
+            if words_per_step == 1:
+                splits = [max(1, min(triton.cdiv(target, row_blocks), n_words // 4)) for target in (1024, 2048, 4096)]
+            else:
+                splits = [triton.cdiv(n_words, steps * words_per_step) for steps in (1, 2)]
+            for split in splits:
+                if (rows_per_thread, 4, split, words_per_step) not in configs:
+                    configs.append((rows_per_thread, 4, split, words_per_step))
     return configs
 
 
@@ -252,9 +312,10 @@ def spmv_config(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor):
     from memory as they do in a model.
     """
     n_words, n_rows = mask.shape
-    key = (n_rows, n_words, triton.next_power_of_2(x.shape[0]), values.dtype, x.device)
+    nnz = values.shape[0] // n_words
+    key = (n_rows, n_words, nnz, triton.next_power_of_2(x.shape[0]), values.dtype, x.device)
     if key not in _tuned_configs:
-        configs = candidate_configs(n_rows, n_words, x.shape[0])
+        configs = candidate_configs(n_rows, n_words, x.shape[0], nnz)
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
             return configs[0]  # cannot time inside a graph capture; warm up first to get the tuned one
         if len(configs) == 1:
@@ -269,7 +330,7 @@ def spmv_config(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor):
 def spmv(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, config=None, out=None) -> torch.Tensor:
     """y = x @ W.T for x of shape (batch <= 16, in); W given as (values, mask).
 
-    config: (rows per thread, warps, split) instead of the tuned choice; out: optional
+    config: (rows per thread, warps, split, words per step) instead of the tuned choice; out: optional
     (next power of two >= batch, out_features) buffer to write into (tests poison it).
     """
     batch, in_features = x.shape
@@ -279,8 +340,8 @@ def spmv(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, config=None,
     nnz = values.shape[0] // n_words
     if nnz & (nnz - 1):
         raise ValueError(f"spmv needs a power-of-two number of kept weights per 32-bit word, got {nnz}")
-    rows_per_thread, warps, split = config or spmv_config(x, values, mask)
-    words_per_split = triton.cdiv(n_words, split)
+    rows_per_thread, warps, split, words_per_step = config or spmv_config(x, values, mask)
+    words_per_split = words_per_step * triton.cdiv(n_words, split * words_per_step)
     split = triton.cdiv(n_words, words_per_split)
     block_rows = rows_per_thread * 32 * warps
     row_blocks = triton.cdiv(n_rows, block_rows)
@@ -295,7 +356,8 @@ def spmv(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, config=None,
         x = pairs.view(torch.int64).view(lanes // 2, in_features)
     _spmv_kernel[(row_blocks, split)](
         x, values, mask, y, workspace, arrivals, n_rows, n_words, words_per_split, in_features,
-        NNZ_PER_WORD=nnz, BATCH=lanes, BLOCK_ROWS=block_rows, INTERPRETER_SAFE=INTERPRETING, num_warps=warps)
+        NNZ_PER_WORD=nnz, BATCH=lanes, BLOCK_ROWS=block_rows, WORDS_PER_STEP=words_per_step,
+        ONE_STEP=words_per_split == words_per_step, INTERPRETER_SAFE=INTERPRETING, num_warps=warps)
     return y[:batch]
 
 

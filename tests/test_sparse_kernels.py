@@ -48,9 +48,11 @@ def test_spmv_matches_float64(pattern, batch):
     seed = hash((pattern, batch)) % 1000
     values, mask = random_packed(37, 96, pattern, seed)
     reference_weight = unpack(values, mask).double()
-    configs = [(1, 1, 1), (1, 1, 2)] + ([(2, 1, 3)] if batch == 1 else [])  # (rows per thread, warps, split)
+    # (rows per thread, warps, split, words per step): one word per step; a 2-word step whose
+    # second word is past the end; a split of 2 words in 2 steps; 4 words covering all 3.
+    configs = [(1, 1, 1, 1), (1, 1, 2, 2), (1, 1, 2, 1)] + ([(2, 1, 3, 1), (1, 1, 1, 4)] if batch == 1 else [])
     for config in configs:
-        x = torch.randn(batch, 96, generator=torch.Generator().manual_seed(seed + config[2]))
+        x = torch.randn(batch, 96, generator=torch.Generator().manual_seed(seed + config[2] + 10 * config[3]))
         lanes = 1 << (batch - 1).bit_length()
         out = torch.full((lanes, 37), float("nan"))  # poisoned: an unwritten element fails
         y = kernels.spmv(x, values, mask, config=config, out=out)
@@ -65,7 +67,7 @@ def test_spmv_bfloat16():
     values, mask = random_packed(40, 64, "2:4", 7)
     values = values.bfloat16()
     x = torch.randn(1, 64).bfloat16()
-    y = kernels.spmv(x, values, mask, config=(1, 1, 2))
+    y = kernels.spmv(x, values, mask, config=(1, 1, 2, 1))
     assert y.dtype == torch.bfloat16
     assert relative_error(y, x.double() @ unpack(values, mask).double().T) < 1e-2
 
