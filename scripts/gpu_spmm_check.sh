@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# One device call for the tensor-core SpMM (sparse/spmm.py): its GPU tests, timings on the
+# Llama-3.1-8B shapes at batch 4/8/16 and a 2048-token prefill against kernels.spmv, the
+# prefill's expand + cuBLAS and cuBLAS bf16 F.linear, and the registers/spills of every compiled
+# SpMM variant. Details go to $OUT (the device tool's output folder) or ./runs/gpu_spmm:
+# check.log (everything printed), spmm_bench.json, spmm_*.sass; the table is printed last.
+#   bash scripts/gpu_spmm_check.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-runs/gpu_spmm}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+exec > >(tee "$OUT/check.log") 2>&1
+date -u
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,driver_version --format=csv,noheader
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+
+timeout 120 python3 -m pytest -q -m gpu tests/test_sparse_spmm.py 2>&1 | tail -8
+
+python3 - "$OUT" <<'PY'
+import json, sys, torch
+import torch.nn.functional as F
+sys.path.insert(0, "scripts")
+from bench_kernel import copies_for, random_weight, time_per_call
+from sparse import kernels, spmm
+from sparse.format import pack
+
+out_dir = sys.argv[1]
+SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+rows = []
+for out_features, in_features in SHAPES:
+    weight = random_weight(out_features, in_features)
+    dense_copies = [weight] + [weight.clone() for _ in range(copies_for(weight.numel() * 2) - 1)]
+    for pattern in ("2:4", "16:32"):
+        values, mask = pack(weight, pattern)
+        packed = [(values, mask)] + [(values.clone(), mask.clone())
+                                     for _ in range(copies_for(values.numel() * 2 + mask.numel() * 4) - 1)]
+        for batch in (4, 8, 16, 2048):
+            if pattern == "16:32" and batch not in (16, 2048):
+                continue
+            x = torch.randn(batch, in_features, device="cuda", dtype=torch.bfloat16)
+            row = dict(out=out_features, inp=in_features, pattern=pattern, batch=batch,
+                       config=spmm.spmm_config(x, values, mask))
+            row["spmm_us"] = time_per_call([lambda v=v, m=m: spmm.spmm(x, v, m) for v, m in packed])
+            if batch <= kernels.MAX_SPMV_BATCH:
+                row["spmv_us"] = time_per_call([lambda v=v, m=m: kernels.spmv(x, v, m) for v, m in packed])
+            else:
+                row["expand_cublas_us"] = time_per_call(
+                    [lambda v=v, m=m: F.linear(x, kernels.unpack_to_dense(v, m)) for v, m in packed])
+            if pattern == "2:4":
+                row["dense_us"] = time_per_call([lambda w=w: F.linear(x, w) for w in dense_copies])
+            print(row, flush=True)
+            rows.append(row)
+            json.dump(rows, open(f"{out_dir}/spmm_bench.json", "w"), indent=1)
+        del packed
+    del dense_copies
+    torch.cuda.empty_cache()
+print("\ncompiled SpMM variants:")
+for cache in spmm._spmm_kernel.device_caches.values():
+    for key, compiled in cache[0].items():
+        c = compiled.metadata
+        print(f"  {str(key)[-120:]}\n    warps={c.num_warps} regs={compiled.n_regs} spills={compiled.n_spills} shared={c.shared}")
+        try:
+            sass = compiled.asm["sass"]
+            open(f"{out_dir}/spmm_{c.num_warps}w_{len(sass)}.sass", "w").write(sass)
+        except Exception as e:
+            print("    no sass:", e)
+
+dense = {(r["out"], r["inp"], r["batch"]): r["dense_us"] for r in rows if "dense_us" in r}
+print("\n| out×in | pattern | batch | SpMM µs | config | SpMV µs | expand+cuBLAS µs | cuBLAS µs | SpMM speedup | SpMV (b<=16) or expand+cuBLAS speedup |")
+print("|---|---|---|---|---|---|---|---|---|---|")
+for r in rows:
+    d = dense[(r["out"], r["inp"], r["batch"])]
+    other = r.get("spmv_us") or r.get("expand_cublas_us")
+    print(f"| {r['out']}×{r['inp']} | {r['pattern']} | {r['batch']} | {r['spmm_us']:.1f} | {r['config']} | "
+          f"{r.get('spmv_us', float('nan')):.1f} | {r.get('expand_cublas_us', float('nan')):.1f} | {d:.1f} | "
+          f"{d / r['spmm_us']:.2f}× | {d / other:.2f}× |")
+PY

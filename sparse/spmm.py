@@ -1,0 +1,214 @@
+"""Tensor-core SpMM for the N:M bitmask format: y = x @ W.T for a few rows of x, or a prefill.
+
+`kernels.spmv` does one FMA per kept weight per row of x on the CUDA cores, so at batch 16 its
+FMAs alone nearly use the instruction budget (docs/KERNEL_NOTES.md). Here each program expands
+a tile of W (BLOCK_OUT rows x 32*WORDS columns) to dense bf16 in registers and feeds `tl.dot`
+against a tile of x^T (the token axis padded to the MMA's N = 16, or a token tile for prefill),
+accumulating in fp32. The expansion costs the same whatever the number of tokens:
+
+    dense column c of word k of row r:  kept = bit c of the word,
+    rank = popcount(word & ((1 << c) - 1)),  value = values[k * NNZ + rank, r]
+
+The value is a gather, but it stays inside the 2 * NNZ * BLOCK_OUT bytes the tile's word owns,
+so it is served by L1 after the first touch. Each thread owns one row and expands all its
+columns in registers, in column order (see `_expand_columns`), so the tile leaves for the MMA's
+shared memory in 16-byte stores. Mask words are loaded two K steps ahead and the expanded tile
+one step ahead of its MMA: a program waits on memory once, not once per step.
+
+Where the grid would be too small to fill the GPU, K is split over programs; their fp32
+partial sums meet in the workspace that `kernels.spmv` also uses (`_store_or_reduce`).
+`INTERPRETER_SAFE` (a constexpr) swaps libdevice popc for the SWAR `kernels._popcount`, so the
+same source runs under TRITON_INTERPRET=1 on CPU.
+"""
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import libdevice
+from triton.testing import do_bench
+
+from sparse import kernels
+from sparse.kernels import INTERPRETING, _popcount
+
+MMA_TOKENS = 16  # the smallest token tile: the MMA's N
+
+
+@triton.jit
+def _count_bits(bits, INTERPRETER_SAFE: tl.constexpr):
+    if INTERPRETER_SAFE:  # libdevice does not run in the interpreter
+        count = _popcount(bits).to(tl.int32)
+    else:
+        count = libdevice.popc(bits.to(tl.int32, bitcast=True))
+    return count
+
+
+@triton.jit
+def _expand_columns(values_ptr, slot_offsets, words, row_stride, FIRST: tl.constexpr, STRIDE: tl.constexpr,
+                    COUNT: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
+    """Dense columns FIRST, FIRST + STRIDE, ... (COUNT of them) of the words [R, WORDS] as
+    [R, WORDS, COUNT]. slot_offsets [R, WORDS]: where each word's first value sits in `values`.
+
+    Splitting even/odd columns and joining them back puts column bit i in register bit i, so
+    every thread holds its row's columns in order (join/reshape only relabel registers).
+    """
+    if COUNT == 1:
+        kept = (words & (1 << FIRST)) != 0
+        rank = _count_bits(words & ((1 << FIRST) - 1), INTERPRETER_SAFE)
+        dense = tl.load(values_ptr + (slot_offsets + rank * row_stride), mask=kept, other=0.0)
+    else:
+        even = _expand_columns(values_ptr, slot_offsets, words, row_stride, FIRST, 2 * STRIDE, COUNT // 2,
+                               INTERPRETER_SAFE)
+        odd = _expand_columns(values_ptr, slot_offsets, words, row_stride, FIRST + STRIDE, 2 * STRIDE, COUNT // 2,
+                              INTERPRETER_SAFE)
+        dense = tl.reshape(tl.join(even, odd), (words.shape[0], words.shape[1], COUNT))
+    return dense
+
+
+@triton.jit
+def _load_words(mask_ptr, k, k_end, rows, row_ok, n_rows, WORDS: tl.constexpr):
+    """Mask words k .. k+WORDS-1 of every row as uint32 [R, WORDS]; zero past k_end or the last
+    row, which keeps nothing there, so nothing is gathered for them."""
+    if WORDS == 1:
+        words = tl.expand_dims(tl.load(mask_ptr + k * n_rows + rows, mask=row_ok & (k < k_end), other=0), 1)
+    else:
+        first = _load_words(mask_ptr, k, k_end, rows, row_ok, n_rows, WORDS // 2)
+        second = _load_words(mask_ptr, k + WORDS // 2, k_end, rows, row_ok, n_rows, WORDS // 2)
+        words = tl.reshape(tl.permute(tl.join(first, second), (0, 2, 1)), (rows.shape[0], WORDS))
+    return words.to(tl.uint32, bitcast=True)
+
+
+@triton.jit
+def _expand_tile(values_ptr, words, k, rows, n_rows, NNZ: tl.constexpr, WORDS: tl.constexpr,
+                 INTERPRETER_SAFE: tl.constexpr):
+    """Dense W[rows, 32k : 32(k + WORDS)] as [R, 32 * WORDS] from the words `_load_words` gave."""
+    slot_offsets = ((k + tl.arange(0, WORDS)) * NNZ * n_rows)[None, :] + rows[:, None]
+    tile = _expand_columns(values_ptr, slot_offsets, words, n_rows, 0, 1, 32, INTERPRETER_SAFE)
+    return tl.reshape(tile, (rows.shape[0], 32 * WORDS))
+
+
+@triton.jit
+def _store_or_reduce(acc, y_ptr, workspace_ptr, arrivals_ptr, counter, offsets, ok):
+    """Store acc, or with K split over programs (grid axis 2) add it to the fp32 workspace; the
+    last program of `counter` to arrive stores the sum and leaves workspace and counter zeroed."""
+    if tl.num_programs(2) == 1:
+        tl.store(y_ptr + offsets, acc.to(y_ptr.dtype.element_ty), mask=ok)
+    else:
+        tl.atomic_add(workspace_ptr + offsets, acc, mask=ok, sem="relaxed")
+        tl.debug_barrier()  # every thread's partial sums are in before the arrival is counted
+        arrived = tl.atomic_add(arrivals_ptr + counter, 1, sem="acq_rel")
+        if arrived == tl.num_programs(2) - 1:
+            # Swap the sums out for zeros at L2 (as int32 bits: the interpreter has no float xchg).
+            sum_bits = tl.atomic_xchg((workspace_ptr + offsets).to(tl.pointer_type(tl.int32), bitcast=True),
+                                      tl.zeros_like(acc).to(tl.int32), mask=ok)
+            tl.store(y_ptr + offsets, sum_bits.to(tl.float32, bitcast=True).to(y_ptr.dtype.element_ty), mask=ok)
+            tl.atomic_xchg(arrivals_ptr + counter, 0)
+
+
+@triton.jit
+def _spmm_kernel(x_ptr, values_ptr, mask_ptr, y_ptr, workspace_ptr, arrivals_ptr,
+                 n_rows, n_tokens, n_words, words_per_split,
+                 NNZ: tl.constexpr, BLOCK_OUT: tl.constexpr, BLOCK_TOKENS: tl.constexpr, WORDS: tl.constexpr,
+                 INTERPRETER_SAFE: tl.constexpr):
+    """y[tokens, rows] = x[tokens] @ W[rows].T, x (n_tokens, 32 * n_words) and y row-major.
+    Grid: (row blocks, token blocks, K splits)."""
+    row_block = tl.program_id(0)
+    rows = row_block * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
+    row_ok = rows < n_rows
+    tokens = tl.program_id(1) * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
+    token_ok = tokens < n_tokens
+    columns = tl.arange(0, 32 * WORDS)
+    k_begin = tl.program_id(2) * words_per_split
+    k_end = tl.minimum(k_begin + words_per_split, n_words)
+
+    # Software pipeline: the tile multiplied now was gathered one step ago, from words loaded
+    # two steps ago.
+    tile = _expand_tile(values_ptr, _load_words(mask_ptr, k_begin, k_end, rows, row_ok, n_rows, WORDS),
+                        k_begin, rows, n_rows, NNZ, WORDS, INTERPRETER_SAFE)
+    next_words = _load_words(mask_ptr, k_begin + WORDS, k_end, rows, row_ok, n_rows, WORDS)
+    acc = tl.zeros([BLOCK_OUT, BLOCK_TOKENS], dtype=tl.float32)
+    for k in range(k_begin, k_end, WORDS):
+        next_tile = _expand_tile(values_ptr, next_words, k + WORDS, rows, n_rows, NNZ, WORDS, INTERPRETER_SAFE)
+        next_words = _load_words(mask_ptr, k + 2 * WORDS, k_end, rows, row_ok, n_rows, WORDS)
+        x_columns = k * 32 + columns
+        x_tile = tl.load(x_ptr + tokens[None, :] * (n_words * 32) + x_columns[:, None],
+                         mask=token_ok[None, :] & (x_columns < k_end * 32)[:, None], other=0.0)
+        acc = tl.dot(tile, x_tile.to(tile.dtype), acc)
+        tile = next_tile
+
+    offsets = tokens[None, :] * n_rows + rows[:, None]
+    _store_or_reduce(acc, y_ptr, workspace_ptr, arrivals_ptr, row_block, offsets, row_ok[:, None] & token_ok[None, :])
+
+
+# ---------------------------------------------------------------- launcher
+
+
+def candidate_configs(n_rows: int, n_words: int, n_tokens: int):
+    """(BLOCK_OUT, BLOCK_TOKENS, WORDS, warps, split) worth timing for a shape.
+
+    One thread per row of the tile (BLOCK_OUT = 32 x warps); decode splits K until ~2-4 programs
+    per SM exist (each walks its words one after another), prefill tiles the tokens instead.
+    """
+    if INTERPRETING:  # the interpreter is slow: one small config that still splits K
+        return [(32, MMA_TOKENS, 1, 1, 1 if n_tokens > MMA_TOKENS else max(1, min(2, n_words)))]
+    configs = []
+    for warps in (4, 8):
+        block_out = 32 * warps
+        row_blocks = triton.cdiv(n_rows, block_out)
+        for words in (1, 2):
+            if n_tokens > MMA_TOKENS:
+                for block_tokens in (64, 128):
+                    configs.append((block_out, block_tokens, words, warps, 1))
+                continue
+            for target_programs in (264, 528, 1056):
+                split = max(1, min(triton.cdiv(target_programs, row_blocks), n_words // (2 * words)))
+                if (block_out, MMA_TOKENS, words, warps, split) not in configs:
+                    configs.append((block_out, MMA_TOKENS, words, warps, split))
+    return configs
+
+
+_tuned_configs = {}
+
+
+def spmm_config(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor):
+    """The fastest candidate for this (out, in, token count), timed once with do_bench (which
+    clears the L2 before every run) and remembered; the kernels.spmv_config pattern."""
+    n_words, n_rows = mask.shape
+    n_tokens = x.shape[0]
+    key = (n_rows, n_words, n_tokens if n_tokens <= MMA_TOKENS else triton.next_power_of_2(n_tokens),
+           values.dtype, x.device)
+    if key not in _tuned_configs:
+        configs = candidate_configs(n_rows, n_words, n_tokens)
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            return configs[0]  # cannot time inside a graph capture; warm up first to get the tuned one
+        if len(configs) == 1:
+            _tuned_configs[key] = configs[0]
+        else:
+            timings = [do_bench(lambda c=c: spmm(x, values, mask, config=c), warmup=5, rep=25, return_mode="median")
+                       for c in configs]
+            _tuned_configs[key] = configs[timings.index(min(timings))]
+    return _tuned_configs[key]
+
+
+def spmm(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, config=None, out=None) -> torch.Tensor:
+    """y = x @ W.T for x of shape (tokens, in), W given as (values, mask); y in x's dtype.
+
+    x is multiplied in W's dtype (bf16 for a model). config: (BLOCK_OUT, BLOCK_TOKENS, WORDS,
+    warps, split) instead of the tuned choice; out: optional (tokens, out_features) buffer.
+    """
+    n_tokens, in_features = x.shape
+    n_words, n_rows = mask.shape
+    if in_features != n_words * 32:
+        raise ValueError(f"spmm: x {tuple(x.shape)} does not fit a packed weight with in_features={n_words * 32}")
+    nnz = values.shape[0] // n_words
+    block_out, block_tokens, words, warps, split = config or spmm_config(x, values, mask)
+    if n_tokens > MMA_TOKENS:
+        split = 1  # the workspace holds at most 16 token rows; prefill has programs enough anyway
+    words_per_split = triton.cdiv(triton.cdiv(n_words, split), words) * words
+    split = triton.cdiv(n_words, words_per_split)
+    row_blocks = triton.cdiv(n_rows, block_out)
+    workspace, arrivals = kernels._workspace(x.device, MMA_TOKENS * n_rows, row_blocks)
+    y = torch.empty(n_tokens, n_rows, dtype=x.dtype, device=x.device) if out is None else out
+    grid = (row_blocks, triton.cdiv(n_tokens, block_tokens), split)
+    _spmm_kernel[grid](x, values, mask, y, workspace, arrivals, n_rows, n_tokens, n_words, words_per_split,
+                       NNZ=nnz, BLOCK_OUT=block_out, BLOCK_TOKENS=block_tokens, WORDS=words,
+                       INTERPRETER_SAFE=INTERPRETING, num_warps=warps)
+    return y

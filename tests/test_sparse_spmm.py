@@ -1,0 +1,103 @@
+"""sparse/spmm.py: the tensor-core SpMM, on CPU under TRITON_INTERPRET=1 (the real kernel) against
+float64, and on the GPU (marked `gpu`) on Llama-3.1-8B shapes, eagerly and under torch.compile
+with CUDA graphs.
+
+As in test_sparse_kernels.py, the interpreter must be on before Triton decorates the kernels, so
+the CPU checks run in a fresh Python process started by the first test.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from sparse import kernels, spmm
+from sparse.format import pack, unpack
+
+interpreted = pytest.mark.skipif(not kernels.INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess")
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.skipif(kernels.INTERPRETING, reason="this is the subprocess")
+def test_spmm_under_the_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                            env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+
+
+def relative_error(y: torch.Tensor, reference: torch.Tensor) -> float:
+    return float((y.double() - reference).norm() / reference.norm())
+
+
+def random_packed(out_features: int, in_features: int, pattern: str, seed: int, device="cpu", dtype=torch.float32):
+    weight = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(seed))
+    return pack(weight.to(device=device, dtype=dtype), pattern)
+
+
+# 40 rows: not a multiple of the 32-row tile; 96 columns = 3 words: a multiple of 32 but not of
+# the 2-word K step, and split 2 ways (2 + 1 words). 40 tokens: three token tiles, the last short.
+CASES = [("2:4", 4), ("4:8", 8), ("8:16", 16), ("16:32", 4), ("2:4", 40), ("16:32", 40)]
+
+
+@interpreted
+@pytest.mark.parametrize("pattern,tokens", CASES)
+def test_spmm_matches_float64(pattern, tokens):
+    seed = hash((pattern, tokens)) % 1000
+    values, mask = random_packed(40, 96, pattern, seed)
+    reference_weight = unpack(values, mask).double()
+    configs = [(32, 16, 1, 1, 1), (32, 16, 2, 1, 2)]  # (BLOCK_OUT, BLOCK_TOKENS, WORDS, warps, split)
+    for config in configs:
+        x = torch.randn(tokens, 96, generator=torch.Generator().manual_seed(seed + config[2]))
+        out = torch.full((tokens, 40), float("nan"))  # poisoned: an unwritten element fails
+        y = spmm.spmm(x, values, mask, config=config, out=out)
+        assert relative_error(y, x.double() @ reference_weight.T) < 1e-6, config
+        workspace, arrivals = kernels._workspace(x.device, 0, 0)
+        assert not workspace.any() and not arrivals.any(), "split-K must leave its workspace zeroed"
+
+
+@interpreted
+def test_sparse_linear_routes_small_batches_to_spmm():
+    from sparse import SparseLinear
+    layer = SparseLinear.from_dense(torch.randn(24, 64), "8:16")
+    dense = unpack(layer.values, layer.mask).double()
+    for rows in [1, 8, 16, 40]:  # spmv, spmm (batch), spmm (prefill)
+        x = torch.randn(rows, 64)
+        assert relative_error(layer(x), x.double() @ dense.T) < 1e-6
+
+
+# ---------------------------------------------------------------- GPU
+
+LLAMA_8B_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("out_features,in_features", LLAMA_8B_SHAPES)
+def test_spmm_llama_shapes_bf16(out_features, in_features):
+    values, mask = random_packed(out_features, in_features, "2:4", 0, device="cuda", dtype=torch.bfloat16)
+    reference_weight = unpack(values, mask).double()
+    for tokens in (4, 8, 16, 2048):
+        x = torch.randn(tokens, in_features, device="cuda", dtype=torch.bfloat16)
+        out = torch.full((tokens, out_features), float("nan"), device="cuda", dtype=torch.bfloat16)
+        y = spmm.spmm(x, values, mask, out=out)
+        assert relative_error(y, x.double() @ reference_weight.T) < 1e-2, tokens
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("pattern", ["2:4", "16:32"])
+def test_spmm_under_cuda_graphs(pattern):
+    from sparse import SparseLinear
+    torch.manual_seed(0)
+    layer = SparseLinear.from_dense(torch.randn(6144, 4096, device="cuda", dtype=torch.bfloat16), pattern)
+    dense = unpack(layer.values, layer.mask).double()
+    compiled = torch.compile(layer, fullgraph=True, mode="reduce-overhead")
+    for tokens in (4, 8, 16):
+        for _ in range(3):  # warm-up (tuning, recording), then replays with fresh inputs
+            x = torch.randn(tokens, 4096, device="cuda", dtype=torch.bfloat16)
+            eager = layer(x)
+            y = compiled(x).clone()
+            assert relative_error(y, x.double() @ dense.T) < 1e-2
+            assert relative_error(y, eager.double()) < 1e-3
