@@ -15,9 +15,9 @@ the same layer inputs the KV-cached decode computed when it fed that token (atte
 same prefix either way). So the layer-by-layer protocol of SparseGPT/Wanda runs unchanged on the
 replayed sequences, with the `counted` mask selecting which positions enter the statistics.
 
-InputStatistics accumulates, per linear-layer input, H = 2 X X^T / n over the counted positions;
-SparseGPT uses H, Wanda its diagonal (||X_j||^2 = n/2 · H_jj), so every backend prunes from the
-same calibration pass.
+InputStatistics accumulates, per linear-layer input, Σ x xᵀ over the counted positions; SparseGPT
+uses H = 2 X X^T / n, Wanda the diagonal (||X_j||^2), so every backend prunes from the same
+calibration pass.
 """
 import gzip
 import json
@@ -73,26 +73,39 @@ class CalibrationSet:
 
 
 class InputStatistics:
-    """Running H = 2/n · Σ x xᵀ over the counted positions of one linear layer's input."""
+    """H = 2/n · Σ x xᵀ over the counted positions of one linear layer's input.
+
+    The running sum Σ x xᵀ is kept unnormalized in the accumulator's dtype (float32 by default;
+    at 1M tokens of activations up to ~1e4 it stays far from float32's range). On CUDA, bf16/fp16
+    inputs are multiplied on the tensor cores with float32 accumulation and a float32 result:
+    bf16 values are exact in that product, so nothing is lost against an fp32 matmul, which would
+    run on the CUDA cores: for an 8B model, X^T X over 1M tokens is ~16 PFLOP, minutes in fp32 and
+    seconds on tensor cores.
+    """
 
     def __init__(self, n_features: int, device=None, dtype=torch.float32):
-        self.hessian = torch.zeros(n_features, n_features, device=device, dtype=dtype)
+        self.sum = torch.zeros(n_features, n_features, device=device, dtype=dtype)
         self.n_tokens = 0
 
     def add(self, x: Tensor, counted: Tensor):
-        x = x[counted].to(self.hessian.dtype)  # [t, in]: only the positions that count
+        x = x[counted]  # [t, in]: only the positions that count
         if x.shape[0] == 0:
             return
-        # Rescale the running mean before adding, so H never holds a huge unnormalized sum.
-        self.hessian *= self.n_tokens / (self.n_tokens + x.shape[0])
         self.n_tokens += x.shape[0]
-        x = x * math.sqrt(2 / self.n_tokens)
-        self.hessian.addmm_(x.T, x)
+        if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and self.sum.dtype == torch.float32:
+            self.sum += torch.mm(x.T, x, out_dtype=torch.float32)
+        else:
+            x = x.to(self.sum.dtype)
+            self.sum.addmm_(x.T, x)
+
+    @property
+    def hessian(self) -> Tensor:
+        return self.sum * (2 / max(self.n_tokens, 1))
 
     @property
     def squared_norms(self) -> Tensor:
         """Σ over counted tokens of x_j², per input feature (Wanda's ||X_j||²)."""
-        return torch.diagonal(self.hessian) * (self.n_tokens / 2)
+        return torch.diagonal(self.sum).clone()
 
 
 # ---------------------------------------------------------------------------- reading files
@@ -188,36 +201,56 @@ def encode_prompt(tokenizer, text: str) -> list:
     return tokenizer.encode(text, bos=True)
 
 
-def decode_calibration(model, tokenizer, prompts: list, n_tokens: int, max_new_tokens: int, *,
-                       temperature: float = 0.7, top_k=20, top_p=0.8, seed: int = 0, batch_size: int = 16,
-                       compile: bool = False) -> CalibrationSet:
-    """Generate with `model` until n_tokens decode steps are collected (cycling through the
-    prompts, each batch with a fresh seed), counting only decode-step positions. The last sequence
-    is cut so the count is exact. Greedy decoding would repeat itself, so it stops after one pass
-    over the prompts."""
+def decode_calibration(model, tokenizer, prompts: list, n_tokens: int, max_new_tokens: int, **options) -> CalibrationSet:
+    """Decoding-aware calibration on prompt texts, each in the model's chat template (see
+    generation_calibration for the options)."""
+    encoded = [torch.tensor(encode_prompt(tokenizer, p), dtype=torch.long) for p in prompts]
+    return generation_calibration(model, encoded, n_tokens, max_new_tokens,
+                                  eos_ids=tuple(getattr(tokenizer, "eos_ids", ())), **options)
+
+
+def generation_calibration(model, prompts: list, n_tokens: int, max_new_tokens: int, *, eos_ids=(),
+                           temperature: float = 0.7, top_k=20, top_p=0.8, seed: int = 0, batch_size: int = 16,
+                           compile: bool = False) -> CalibrationSet:
+    """Generate with `model` from `prompts` (1-D token-id tensors) until n_tokens decode steps
+    are collected (cycling through the prompts, each batch with a fresh seed), counting only
+    decode-step positions. The last sequence is cut so the count is exact. Greedy decoding would
+    repeat itself, so it stops after one pass over the prompts.
+
+    With compile=True every batch has the same shape (batch_size rows, one KV cache sized for the
+    longest prompt up front), so the CUDA-graphed decode step is compiled once: a new batch size
+    or cache length would recompile it (~2 min for an 8B model). Rows past what is needed are
+    generated and dropped, which costs little in a memory-bound decode. Without compile a batch
+    is no larger than the remaining budget needs."""
     from generate import generate  # imported here: text calibration must not need the generation stack
     if max_new_tokens < 2:
         raise CalibrationError("decode calibration needs max_new_tokens >= 2 (the first token comes from the prefill)")
-    encoded = [torch.tensor(encode_prompt(tokenizer, p), dtype=torch.long) for p in prompts]
     greedy = temperature == 0
+    if compile:
+        longest = max(len(p) for p in prompts)
+        model.setup_caches(batch_size, min(model.config.block_size, longest + max_new_tokens))
     sequences, counted, total = [], [], 0
     started, n_batches, empty_batches = 0, 0, 0  # started: prompts generated so far, counting repeats
     progress = tqdm(total=n_tokens, desc="decode calibration", unit="tok")
     while total < n_tokens:
-        if greedy and started == len(encoded):
+        if greedy and started == len(prompts):
             tqdm.write(f"greedy decoding of {len(prompts)} prompts gave {total} decode tokens, fewer than "
                        f"{n_tokens}; sampling (or more prompts) would give more")
             break
-        # No bigger batch than the remaining budget can use (sequences may still end early at EOS).
-        size = min(batch_size, math.ceil((n_tokens - total) / (max_new_tokens - 1)),
-                   len(encoded) - started if greedy else batch_size)
-        batch = [encoded[(started + j) % len(encoded)] for j in range(size)]
-        started += size
-        result = generate(model, batch, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                          eos_ids=tuple(getattr(tokenizer, "eos_ids", ())), seed=seed + n_batches, compile=compile)
+        remaining = n_tokens - total
+        # Rows whose output is kept; no more than the remaining budget (or a greedy pass) can use.
+        useful = min(batch_size, math.ceil(remaining / (max_new_tokens - 1)),
+                     len(prompts) - started if greedy else batch_size)
+        size = batch_size if compile else useful
+        # Nor more steps than that budget needs (sequences may still end early at EOS).
+        steps = min(max_new_tokens, math.ceil(remaining / useful) + 1)
+        batch = [prompts[(started + j) % len(prompts)] for j in range(size)]
+        started += useful
+        result = generate(model, batch, steps, temperature=temperature, top_k=top_k, top_p=top_p,
+                          eos_ids=eos_ids, seed=seed + n_batches, compile=compile)
         n_batches += 1
         total_before = total
-        for sequence, prompt_len in zip(result.sequences, result.prompt_lengths):
+        for sequence, prompt_len in list(zip(result.sequences, result.prompt_lengths))[:useful]:
             # Decode steps fed positions prompt_len .. len-2; the last token was never fed back.
             n_decode = min(len(sequence) - 1 - prompt_len, n_tokens - total)
             if n_decode <= 0:
@@ -230,7 +263,7 @@ def decode_calibration(model, tokenizer, prompts: list, n_tokens: int, max_new_t
             total += n_decode
         progress.update(total - total_before)
         empty_batches = empty_batches + 1 if total == total_before else 0
-        if empty_batches * batch_size >= len(encoded) + batch_size:
+        if empty_batches * batch_size >= len(prompts) + batch_size:
             tqdm.write(f"stopping at {total} decode tokens: a whole pass over the prompts gave none (all ended at once)")
             break
     progress.close()

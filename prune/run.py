@@ -1,7 +1,8 @@
 """Layer-sequential pruning driver and the `python -m prune` command line.
 
 The model's weights stay on the CPU (memory-mapped from the checkpoint); one TransformerBlock at
-a time moves to the device, so peak device memory is one block plus the activations it works on:
+a time moves to the device, so peak device memory is one block, one set of activations of the
+calibration tokens (the replays advance it in place, batch by batch) and one layer's statistics:
 
     x_0 = embeddings of the calibration sequences               (stored per padded batch)
     for each block i, with h = x + attention(attention_norm(x)):
@@ -23,17 +24,25 @@ All backends prune from the same statistics (prune/calibration.py's InputStatist
 only at the calibration set's counted positions (decode steps for decoding-aware calibration).
 Only the block linears are pruned by default; embeddings, norms and lm_head stay dense.
 
-Packed output: N:M linears become `<name>.values` + `<name>.mask` (sparse.pack, validated);
-unstructured ones stay dense with their zeros. Everything else is copied from the source.
+Packed output: N:M linears become `<name>.values` + `<name>.mask` (sparse.pack, validated on
+the device right after each solve); unstructured ones stay dense with their zeros. Everything
+else is copied from the source.
+
+Scale (Llama-3.1-8B, 1M decode tokens + their prompts, ~1.5M replayed tokens): one set of
+activations is ~12 GB in bf16 and stays on the GPU; the replays are ~2 block forwards per block
+in bf16; H accumulates on the tensor cores (prune/calibration.py); SparseGPT's column walk is
+~27k sequential steps per block, bound by kernel launches. scripts/bench_prune.py times it.
 """
 import argparse
 import fnmatch
 import resource
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from tqdm import tqdm
 
 from checkpoint import CheckpointError, load_checkpoint, save_checkpoint
@@ -94,17 +103,23 @@ def selected_linears(model, pattern: str, include, exclude) -> list:
     return names
 
 
-class BlockReplay:
-    """Runs parts of one TransformerBlock teacher-forced (no KV cache) over the stored calibration
-    batches, feeding the inputs of watched linears into their statistics."""
+class StopReplay(Exception):
+    """Raised by a watch hook once every watched input of a batch is caught: the rest of the
+    sublayer would be computed for nothing."""
 
-    def __init__(self, config, batches, device, activation_device):
+
+class BlockReplay:
+    """Runs parts of one TransformerBlock teacher-forced (no KV cache) over the calibration
+    activations, one stored batch at a time, feeding the inputs of watched linears into their
+    statistics."""
+
+    def __init__(self, config, batches, device):
         self.counted = [counted.to(device) for _, counted in batches]
         T = max(tokens.shape[1] for tokens, _ in batches)
         cos, sin = precompute_rope(T, config.head_dim, config.rope_base, config.rope_scaling)
         self.cos, self.sin = cos.to(device)[None], sin.to(device)[None]  # [1, T, head_dim]
         self.causal = torch.tril(torch.ones(T, T, dtype=torch.bool, device=device))
-        self.device, self.activation_device = device, activation_device
+        self.device = device
 
     # The two residual halves of TransformerBlock.forward, so a replay can stop between them.
     def attention(self, block, x):
@@ -116,36 +131,48 @@ class BlockReplay:
         return h + block.feed_forward(block.ffn_norm(h))
 
     @torch.no_grad()
-    def run(self, block, fn, inputs, watch=None, collect=None, keep_outputs=False):
-        """fn(x) for each stored batch x [B, T, dim]. `watch` maps a linear's name in `block` to
-        the InputStatistics its input is added to; `collect` takes fn's outputs (counted positions only)."""
+    def run(self, block, fn, stream: list, watch=None, collect=None, advance=False):
+        """fn(x) for each stored batch x [B, T, dim] of `stream`. `watch` maps a linear's name in
+        `block` to the InputStatistics its input is added to; `collect` takes fn's outputs
+        (counted positions only). advance=True replaces each batch of `stream` by fn's output, in
+        place, so only one set of activations is ever alive (at 1M tokens of an 8B model one set is
+        8 GB); otherwise fn stops as soon as the watched inputs are caught."""
         current = {}
+
+        def catch(module, args, stats):
+            stats.add(args[0], current["counted"])
+            current["pending"] -= 1
+            if current["pending"] == 0 and not advance:
+                raise StopReplay
+
+        watch = watch or {}
         hooks = [block.get_submodule(name).register_forward_pre_hook(
-                     lambda module, args, stats=stats: stats.add(args[0], current["counted"]))
-                 for name, stats in (watch or {}).items()]
-        outputs = []
+                     lambda module, args, stats=stats: catch(module, args, stats))
+                 for name, stats in watch.items()]
         # Teacher-forced attention over the whole sequence: a cache (left by a generate() on this
         # model) would be written to and attended instead, so it is set aside for the replay.
         cache, block.attention.kv_cache = block.attention.kv_cache, None
         try:
-            for x, counted in zip(inputs, self.counted):
-                current["counted"] = counted
-                y = fn(x.to(self.device))
+            for k, (x, counted) in enumerate(zip(stream, self.counted)):
+                current.update(counted=counted, pending=len(watch))
+                try:
+                    y = fn(x.to(self.device))
+                except StopReplay:
+                    continue
                 if collect is not None:
                     collect.add(y, counted)
-                if keep_outputs:
-                    outputs.append(y.to(self.activation_device))
+                if advance:
+                    stream[k] = y.to(x.device)
         finally:
             block.attention.kv_cache = cache
             for hook in hooks:
                 hook.remove()
-        return outputs
 
 
-def prune_block(block, replay: BlockReplay, inputs, names, prune_linear, one_shot=False):
-    """Prune the linears `names` of `block` (prune_linear(name, statistics) does one) and return
-    the block's outputs on `inputs`, computed with the pruned weights (sequential) or the dense
-    ones (one-shot)."""
+def prune_block(block, replay: BlockReplay, stream: list, names, prune_linear, one_shot=False):
+    """Prune the linears `names` of `block` (prune_linear(name, statistics) does one) and advance
+    `stream` (in place) from the block's inputs to its outputs, computed with the pruned weights
+    (sequential) or the dense ones (one-shot)."""
     def statistics(*linears):
         return {n: InputStatistics(block.get_submodule(n).in_features, replay.device) for n in linears if n in names}
 
@@ -154,20 +181,20 @@ def prune_block(block, replay: BlockReplay, inputs, names, prune_linear, one_sho
     if one_shot:  # every statistic from the dense block, in one replay
         attention_stats = statistics("attention.wqkv", "attention.wo")
         feed_forward_stats = statistics("feed_forward.w13", "feed_forward.w2")
-        hidden = replay.run(block, attention, inputs, attention_stats, keep_outputs=True)
-        outputs = replay.run(block, feed_forward, hidden, feed_forward_stats, keep_outputs=True)
+        replay.run(block, attention, stream, attention_stats, advance=True)
+        replay.run(block, feed_forward, stream, feed_forward_stats, advance=True)
         for name, stats in {**attention_stats, **feed_forward_stats}.items():
             prune_linear(name, stats)
-        return outputs
+        return
 
     # Sequential: each linear is calibrated after the ones before it are pruned, by the shortest
     # replay that produces its input. wqkv and w13 read a norm's output: replaying the norm is
     # enough. wo and w2 read values inside attention / the MLP (which do not depend on wo or w2
-    # themselves): the sublayer runs and a hook on the linear catches its input.
+    # themselves): the sublayer runs up to the linear, where a hook catches its input.
     norm_before = {"attention.wqkv": block.attention_norm, "feed_forward.w13": block.ffn_norm}
     sublayer_of = {"attention.wo": attention, "feed_forward.w2": feed_forward}
 
-    def calibrate_and_prune(name, stream):
+    def calibrate_and_prune(name):
         for name, stats in statistics(name).items():
             if name in norm_before:
                 replay.run(block, norm_before[name], stream, collect=stats)
@@ -175,79 +202,118 @@ def prune_block(block, replay: BlockReplay, inputs, names, prune_linear, one_sho
                 replay.run(block, sublayer_of[name], stream, watch={name: stats})
             prune_linear(name, stats)
 
-    calibrate_and_prune("attention.wqkv", inputs)
-    calibrate_and_prune("attention.wo", inputs)
-    hidden = replay.run(block, attention, inputs, keep_outputs=True)
-    calibrate_and_prune("feed_forward.w13", hidden)
-    calibrate_and_prune("feed_forward.w2", hidden)
-    return replay.run(block, feed_forward, hidden, keep_outputs=True)
+    calibrate_and_prune("attention.wqkv")
+    calibrate_and_prune("attention.wo")
+    replay.run(block, attention, stream, advance=True)
+    calibrate_and_prune("feed_forward.w13")
+    calibrate_and_prune("feed_forward.w2")
+    replay.run(block, feed_forward, stream, advance=True)
 
 
 def pick_activation_device(device, n_tokens, dim, dtype):
-    """Keep the calibration activations on the GPU when the three sets alive at once (block inputs,
-    mid-block hidden states, outputs) fit in a quarter of its free memory, else on the CPU (an 8B
-    model with 1M tokens needs ~25 GB for them)."""
+    """Keep the calibration activations on the GPU when one set of them (the replay advances
+    them in place) fits in half of its free memory, else on the CPU (slower: every replay then
+    crosses PCIe)."""
     if device.type != "cuda":
         return device
-    need = 3 * n_tokens * dim * torch.finfo(dtype).bits // 8
-    return device if need < torch.cuda.mem_get_info(device)[0] // 4 else torch.device("cpu")
+    need = n_tokens * dim * torch.finfo(dtype).bits // 8
+    return device if need < torch.cuda.mem_get_info(device)[0] // 2 else torch.device("cpu")
+
+
+@dataclass
+class PruneResult:
+    names: list  # the pruned linears 'layers.{i}.{linear}', in pruning order
+    packed: dict  # name -> (values, mask) on the CPU, for N:M patterns (packed on the device)
+    seconds: dict  # replay (moving blocks, replays, statistics), solve (the backend, packing), total
+    peak_memory_bytes: int
+
+
+def prune_layers(model, calibration: CalibrationSet, method: str, pattern: str, names: list, *, device="cpu",
+                 one_shot=False, batch_tokens=8192) -> PruneResult:
+    """Prune the block linears `names` of `model` in place, block by block on `device`.
+
+    Each block moves to the device for its turn and back to where it was (the CPU for a model
+    loaded from a checkpoint), so the device holds one block, the calibration activations and
+    one layer's statistics at a time."""
+    started = time.perf_counter()
+    device = torch.device(device)
+    if method not in METHODS:
+        raise ValueError(f"unknown method '{method}' (expected {', '.join(METHODS)})")
+    storage_dtype = model.tok_embeddings.weight.dtype
+    # CPU matmuls in bf16/fp16 are slow and coarse; the GPU runs the checkpoint's own dtype.
+    compute_dtype = torch.float32 if device.type == "cpu" else storage_dtype
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+    batches = calibration.padded_batches(batch_tokens)
+    activation_device = pick_activation_device(device, sum(t.numel() for t, _ in batches), model.config.dim,
+                                               compute_dtype)
+    replay = BlockReplay(model.config, batches, device)
+    with torch.no_grad():
+        table = model.tok_embeddings.weight.to(device, compute_dtype)  # one copy, not one per batch
+        stream = [F.embedding(tokens.to(device), table).to(activation_device) for tokens, _ in batches]
+        del table
+    pruned_names, packed, solve_seconds = [], {}, 0.0
+    last_pruned_layer = max(int(name.split(".")[1]) for name in names)  # blocks after it stay as they are
+    for i, block in enumerate(tqdm(model.layers[:last_pruned_layer + 1], desc=f"{method} {pattern}", unit="block")):
+        home = block.attention_norm.weight.device
+        block.to(device, compute_dtype)
+
+        def prune_linear(name, stats):
+            nonlocal solve_seconds
+            sync()  # the replays queued before this belong to the replay phase
+            solve_started = time.perf_counter()
+            linear = block.get_submodule(name)
+            pruned, keep = METHODS[method](linear.weight.data, stats, pattern)
+            linear.weight.data = pruned  # rebind, never write into the memory-mapped source tensor
+            full_name = f"layers.{i}.{name}"
+            pruned_names.append(full_name)
+            if not is_unstructured(pattern):
+                values, mask = pack(pruned.to(storage_dtype), pattern, mask=keep)
+                validate(values, mask, pattern)
+                packed[full_name] = values.cpu(), mask.cpu()
+            solve_seconds += time.perf_counter() - solve_started  # .cpu() waited for the device
+
+        block_names = [n.split(".", 2)[2] for n in names if n.startswith(f"layers.{i}.")]
+        prune_block(block, replay, stream, block_names, prune_linear, one_shot)
+        block.to(home, storage_dtype)
+    del stream
+    sync()
+    total = time.perf_counter() - started
+    seconds = dict(replay=round(total - solve_seconds, 2), solve=round(solve_seconds, 2), total=round(total, 2))
+    return PruneResult(pruned_names, packed, seconds, peak_memory_bytes(device))
 
 
 def prune_model(checkpoint, calibration: CalibrationSet, method: str, pattern: str, out, *, device="cpu",
                 one_shot=False, include=("layers.*",), exclude=(), batch_tokens=8192, seed=0):
     """Prune the block linears of `checkpoint` on `calibration` and write the packed checkpoint to
     `out` (atomically). Returns the metadata written."""
-    started = time.perf_counter()
-    device = torch.device(device)
-    if method not in METHODS:
-        raise ValueError(f"unknown method '{method}' (expected {', '.join(METHODS)})")
     model, config, source_metadata = load_model_on_cpu(checkpoint)
     names = selected_linears(model, pattern, include, exclude)
-    storage_dtype = model.tok_embeddings.weight.dtype
-    # CPU matmuls in bf16/fp16 are slow and coarse; the GPU runs the checkpoint's own dtype.
-    compute_dtype = torch.float32 if device.type == "cpu" else storage_dtype
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-
-    batches = calibration.padded_batches(batch_tokens)
-    activation_device = pick_activation_device(device, sum(t.numel() for t, _ in batches), config.dim, compute_dtype)
-    replay = BlockReplay(config, batches, device, activation_device)
-    with torch.no_grad():
-        inputs = [model.tok_embeddings(tokens).to(activation_device, compute_dtype) for tokens, _ in batches]
-    masks = {}
-    last_pruned_layer = max(int(name.split(".")[1]) for name in names)  # blocks after it stay as they are
-    for i, block in enumerate(tqdm(model.layers[:last_pruned_layer + 1], desc=f"{method} {pattern}", unit="block")):
-        block.to(device, compute_dtype)
-
-        def prune_linear(name, stats):
-            linear = block.get_submodule(name)
-            pruned, keep = METHODS[method](linear.weight.data, stats, pattern)
-            linear.weight.data = pruned  # rebind, never write into the memory-mapped source tensor
-            masks[f"layers.{i}.{name}"] = keep.cpu()
-
-        block_names = [n.split(".", 2)[2] for n in names if n.startswith(f"layers.{i}.")]
-        inputs = prune_block(block, replay, inputs, block_names, prune_linear, one_shot)
-        block.to("cpu", storage_dtype)
-    del inputs
-
-    state_dict = packed_state_dict(model, masks, pattern)
-    prune_seconds = time.perf_counter() - started
-    peak = peak_memory_bytes(device)
+    result = prune_layers(model, calibration, method, pattern, names, device=device, one_shot=one_shot,
+                          batch_tokens=batch_tokens)
     metadata = dict(source_metadata)
-    metadata.update(
+    metadata.update(pruned_metadata(result, calibration, method, pattern, one_shot, device),
+                    seed=seed, source_checkpoint=str(Path(checkpoint).resolve()),
+                    tokenizer_dir=source_tokenizer_dir(checkpoint, source_metadata))
+    save_checkpoint(out, packed_state_dict(model, result), config, metadata)
+    return metadata
+
+
+def pruned_metadata(result: PruneResult, calibration: CalibrationSet, method, pattern, one_shot, device) -> dict:
+    """What a pruned checkpoint records about its pruning (the caller adds where it came from)."""
+    return dict(
         sparsity=dict(pattern=pattern, format="dense-zeros" if is_unstructured(pattern) else "bitmask-v1",
-                      layers=list(masks)),
+                      layers=result.names),
         method=method,
         calibration=dict(calibration.info, counted_tokens=calibration.counted_tokens,
                          sequences=len(calibration.sequences), total_tokens=sum(len(s) for s in calibration.sequences),
                          collection="one-shot" if one_shot else "sequential"),
-        seed=seed,
-        source_checkpoint=str(Path(checkpoint).resolve()),
-        tokenizer_dir=source_tokenizer_dir(checkpoint, source_metadata),
-        timing=dict(prune_seconds=round(prune_seconds, 2), peak_memory_bytes=peak, device=str(device)),
+        timing=dict(prune_seconds=result.seconds["total"], replay_seconds=result.seconds["replay"],
+                    solve_seconds=result.seconds["solve"], peak_memory_bytes=result.peak_memory_bytes,
+                    device=str(device)),
     )
-    save_checkpoint(out, state_dict, config, metadata)
-    return metadata
 
 
 def source_tokenizer_dir(checkpoint, source_metadata) -> str:
@@ -260,16 +326,13 @@ def source_tokenizer_dir(checkpoint, source_metadata) -> str:
         return str(Path(checkpoint).resolve().parent)
 
 
-def packed_state_dict(model, masks, pattern):
-    """The model's state dict with every pruned N:M linear as `.values` + `.mask` (validated);
-    unstructured patterns keep the dense tensor with its zeros."""
+def packed_state_dict(model, result: PruneResult):
+    """The model's state dict with every pruned N:M linear as `.values` + `.mask` (packed and
+    validated on the device as it was pruned); unstructured patterns keep the dense tensor with
+    its zeros."""
     state_dict = model.state_dict()
-    if is_unstructured(pattern):
-        return state_dict
-    for name, keep in masks.items():
-        weight = state_dict.pop(f"{name}.weight")
-        values, mask = pack(weight, pattern, mask=keep)
-        validate(values, mask, pattern)
+    for name, (values, mask) in result.packed.items():
+        del state_dict[f"{name}.weight"]
         state_dict[f"{name}.values"], state_dict[f"{name}.mask"] = values, mask
     return state_dict
 
@@ -304,6 +367,7 @@ def build_calibration(args, config, device) -> CalibrationSet:
     calibration.info.update(prompt_file=str(args.prompts), generator=str(Path(generator_path).resolve()))
     del generator
     if device.type == "cuda":
+        torch._dynamo.reset()  # the compiled step's CUDA-graph pool still holds the generator's memory
         torch.cuda.empty_cache()
     return calibration
 

@@ -44,25 +44,27 @@ def sparsegpt_prune(weight: Tensor, hessian: Tensor, pattern: str, blocksize: in
     pruned_so_far = 0
     for start in range(0, cols, blocksize):
         end = min(start + blocksize, cols)
-        Wb, Ub = W[:, start:end].clone(), U[start:end, start:end]
-        errors = torch.zeros_like(Wb)
+        Wb, Ub, keep_b = W[:, start:end].clone(), U[start:end, start:end], keep[:, start:end]
         Ub_diag = torch.diagonal(Ub)
+        # err_j = w_j * drop_scale_j: the pruned weight over U_jj (zero where the weight stays).
+        drop_scale = torch.zeros_like(Wb)
+        errors = torch.empty_like(Wb)
         if not group:
             n_prune = pruned_count(rows * end, sparsity) - pruned_so_far
             pruned_so_far += n_prune
             scores = Wb.pow(2) / Ub_diag.pow(2)[None, :]
-            keep[:, start:end] = keep_all_but_smallest(scores.reshape(1, -1), n_prune).reshape(scores.shape)
+            keep_b[:] = keep_all_but_smallest(scores.reshape(1, -1), n_prune).reshape(scores.shape)
+            drop_scale[:] = ~keep_b / Ub_diag
+        # The walk is inherently one column at a time; on a GPU its cost is the kernel launches
+        # per column (two here, plus the group's mask choice every m columns), not arithmetic.
         for j in range(end - start):
-            col = start + j
             if group and j % group == 0:
-                scores = Wb[:, j:j + group].pow(2) / Ub_diag[j:j + group].pow(2)[None, :]
-                keep[:, col:col + group] = keep_largest(scores, pattern)
-            w = Wb[:, j].clone()
-            kept = w * keep[:, col]
-            err = (w - kept) / Ub[j, j]
-            Wb[:, j + 1:] -= err[:, None] * Ub[j, j + 1:][None, :]
-            Wb[:, j] = kept
-            errors[:, j] = err
-        W[:, start:end] = Wb
-        W[:, end:] -= errors @ U[start:end, end:]
+                g = slice(j, j + group)
+                keep_b[:, g] = keep_largest(Wb[:, g].pow(2) / Ub_diag[g].pow(2)[None, :], pattern)
+                drop_scale[:, g] = ~keep_b[:, g] / Ub_diag[g]
+            torch.mul(Wb[:, j], drop_scale[:, j], out=errors[:, j])
+            Wb[:, j + 1:].addr_(errors[:, j], Ub[j, j + 1:], alpha=-1)
+        # Column j is never read again after its step, so its pruned weights are zeroed here.
+        W[:, start:end] = Wb * keep_b
+        W[:, end:].addmm_(errors, U[start:end, end:], alpha=-1)
     return W.to(weight.dtype), keep

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from model import ModelArgs, Transformer
-from prune.calibration import (CalibrationError, CalibrationSet, InputStatistics, decode_calibration, read_prompts,
-                               text_windows)
+from prune.calibration import (CalibrationError, CalibrationSet, InputStatistics, decode_calibration,
+                               generation_calibration, read_prompts, text_windows)
 from prune.run import BlockReplay
 
 
@@ -115,14 +115,15 @@ def test_decode_statistics_match_a_kv_cached_decode_and_exclude_the_prompt():
         assert not counted[:len(prompt)].any() and counted[len(prompt):].all()
 
     batches = calibration.padded_batches(max_tokens=64)
-    replay = BlockReplay(model.config, batches, torch.device("cpu"), torch.device("cpu"))
+    replay = BlockReplay(model.config, batches, torch.device("cpu"))
     all_positions = [(tokens, torch.ones_like(counted)) for tokens, counted in batches]
     x = [model.tok_embeddings(tokens).detach() for tokens, _ in batches]
-    with_prompt_replay = BlockReplay(model.config, all_positions, torch.device("cpu"), torch.device("cpu"))
+    with_prompt_replay = BlockReplay(model.config, all_positions, torch.device("cpu"))
     for layer, reference in zip(model.layers, decode_stats):
         whole_block = lambda x: replay.feed_forward(layer, replay.attention(layer, x))  # noqa: E731
         replayed = InputStatistics(32, dtype=torch.float64)
-        outputs = replay.run(layer, whole_block, x, {"attention.wqkv": replayed}, keep_outputs=True)
+        outputs = list(x)
+        replay.run(layer, whole_block, outputs, {"attention.wqkv": replayed}, advance=True)
         scale = reference.hessian.abs().max()
         torch.testing.assert_close(replayed.hessian / scale, reference.hessian / scale, rtol=0, atol=1e-4)
         with_prompt = InputStatistics(32, dtype=torch.float64)
@@ -141,3 +142,26 @@ def test_decode_budget_is_exact_and_cycles_prompts_with_sampling():
     assert calibration.info["kind"] == "decode" and calibration.info["decode_tokens"] == 50
     first_round, second_round = calibration.sequences[:2], calibration.sequences[2:4]
     assert not all(torch.equal(a, b) for a, b in zip(first_round, second_round))  # fresh seeds each round
+
+
+def test_compiled_generation_keeps_one_batch_shape(monkeypatch):
+    """With compile=True every generate() call must see the same batch size and KV-cache length
+    (a new shape would recompile the CUDA-graphed step): short last batches are padded with rows
+    that are dropped, the cache is sized once for the longest prompt, and the budget stays exact."""
+    generate = pytest.importorskip("generate")
+    model = tiny_model()
+    real_generate, shapes = generate.generate, []
+
+    def spy(model, prompts, max_new_tokens, **options):
+        shapes.append((len(prompts), model.max_batch_size, model.max_seq_length))
+        return real_generate(model, prompts, max_new_tokens, **dict(options, compile=False))
+
+    monkeypatch.setattr(generate, "generate", spy)
+    prompts = [torch.arange(2, 2 + n) for n in (3, 9, 5)]
+    calibration = generation_calibration(model, prompts, n_tokens=40, max_new_tokens=8, batch_size=4, compile=True)
+    assert calibration.counted_tokens == 40
+    assert len(set(shapes)) == 1 and shapes[0][:2] == (4, 4) and shapes[0][2] >= 9 + 8
+    assert len(shapes) == 2  # 4 rows x 7 decode steps, then 12 more tokens from the same shape
+    greedy = generation_calibration(model, prompts, n_tokens=100, max_new_tokens=8, temperature=0.0, batch_size=4,
+                                    compile=True)
+    assert greedy.counted_tokens == 3 * 7 and len(set(shapes)) == 1  # one pass; the padding row is dropped
