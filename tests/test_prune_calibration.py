@@ -165,3 +165,22 @@ def test_compiled_generation_keeps_one_batch_shape(monkeypatch):
     greedy = generation_calibration(model, prompts, n_tokens=100, max_new_tokens=8, temperature=0.0, batch_size=4,
                                     compile=True)
     assert greedy.counted_tokens == 3 * 7 and len(set(shapes)) == 1  # one pass; the padding row is dropped
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_statistics_from_bf16_inputs_match_float64():
+    """The tensor-core path (bf16 x bf16 -> float32) loses nothing on bf16 activations, outliers included."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    xs = [torch.randn(4, 512, 1024, device="cuda", generator=g) for _ in range(3)]
+    for x in xs:
+        x[..., :4] *= 300  # LLM-like outlier channels
+    xs = [x.bfloat16() for x in xs]
+    counted = [torch.rand(4, 512, device="cuda", generator=g) < 0.7 for _ in xs]
+    stats = InputStatistics(1024, device="cuda")
+    for x, c in zip(xs, counted):
+        stats.add(x, c)
+    X = torch.cat([x[c] for x, c in zip(xs, counted)]).double()
+    reference = 2 * X.T @ X / X.shape[0]
+    assert stats.n_tokens == X.shape[0]
+    assert ((stats.hessian.double() - reference).norm() / reference.norm()) < 1e-6

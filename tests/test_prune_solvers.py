@@ -102,3 +102,16 @@ def test_sparsegpt_survives_dead_inputs():
         assert torch.isfinite(pruned).all()
         assert (pruned[:, [3, 17, 40]] == 0).all()  # they carry nothing, so they are pruned first
         assert pruned.dtype == weight.dtype
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("pattern", ["2:4", "50%"])
+def test_sparsegpt_on_cuda_matches_the_cpu(pattern):
+    X = calibration_inputs(n_features=512, n_tokens=4096, seed=4)
+    weight = torch.randn(384, 512, dtype=torch.float64)
+    H = 2 * X @ X.T / X.shape[1]
+    expected, expected_keep = sparsegpt_prune(weight, H, pattern)
+    pruned, keep = sparsegpt_prune(weight.cuda(), H.cuda(), pattern)
+    assert torch.equal(keep.cpu(), expected_keep)  # float64 either way: no near-ties to flip
+    torch.testing.assert_close(pruned.cpu(), expected, rtol=1e-6, atol=1e-6)
