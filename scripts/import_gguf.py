@@ -1,20 +1,24 @@
 """Read a llama-architecture GGUF file (llama.cpp's format) as Hugging Face-named tensors + tokenizer files.
 
-Used by convert_hf.py (`--gguf FILE`, `--embedded-smollm2`). Three things differ from a Hugging Face folder:
+Used by convert_hf.py (`--gguf FILE`, `--embedded-smollm2`). Four things differ from a Hugging Face folder:
 - tensors may be quantized (Q4_1, Q8_0, ...): the `gguf` package dequantizes them to float32;
 - llama.cpp stores q/k rows of each head in interleaved-pair RoPE order, ours is rotate-half: we undo
   its permutation (llama2.c checkpoints need the same, see convert_hf.interleaved_to_half);
+- Llama-3.1+ RoPE scaling is not in the metadata but in a `rope_freqs.weight` tensor: each RoPE
+  frequency's divisor. We accept it where it is what model.py's Llama-3.1 scaling computes for a
+  scaling we know (see llama31_rope_scaling_from_freqs), and refuse it otherwise;
 - there is no tokenizer.json: we build one from the vocabulary, merges and token types with the
   `tokenizers` package, and write a tokenizer_config.json that records the special tokens and the
   GGUF's chat template (tokenizer.py reads which template applies from it).
 """
 import json
+from typing import Optional
 
 import numpy as np
 import torch
 
 from scripts.convert_hf import ConversionError, interleaved_to_half
-from model import ModelArgs
+from model import ModelArgs, llama31_scale_frequencies, transformer_configs
 
 GGUF_TO_HF_NAMES = {
     "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
@@ -38,14 +42,18 @@ def read_gguf(path):
     except Exception as e:  # the gguf package raises ValueError/struct errors/... on a bad file
         raise ConversionError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e})") from None
     fields = {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
-    config = model_args_from_gguf(fields, path, has_output=any(t.name == "output.weight" for t in reader.tensors))
+    weights = {t.name: t for t in reader.tensors}
+    rope_freqs = weights.pop("rope_freqs.weight", None)
+    if rope_freqs is not None:  # a 1-D float tensor, so `dequantized` needs no config to read it
+        rope_freqs = dequantized(rope_freqs, config=None)
+    config = model_args_from_gguf(fields, path, has_output="output.weight" in weights, rope_freqs=rope_freqs)
     tensors = {}
-    for t in reader.tensors:
+    for t in weights.values():
         tensors[hf_name(t.name)] = lambda t=t: dequantized(t, config)
     return tensors, config, tokenizer_files_from_gguf(fields, path)
 
 
-def model_args_from_gguf(fields: dict, path, has_output: bool) -> ModelArgs:
+def model_args_from_gguf(fields: dict, path, has_output: bool, rope_freqs=None) -> ModelArgs:
     arch = fields.get("general.architecture")
     if arch != "llama":
         raise ConversionError(f"{path}: unsupported GGUF architecture '{arch}' (supported: llama)")
@@ -62,6 +70,10 @@ def model_args_from_gguf(fields: dict, path, has_output: bool) -> ModelArgs:
     head_dim = fields.get(f"{arch}.attention.key_length", dim // n_head)
     if fields.get(f"{arch}.rope.dimension_count", head_dim) != head_dim:
         raise ConversionError(f"{path}: RoPE over part of a head (rope.dimension_count) is not supported")
+    rope_base = float(fields.get(f"{arch}.rope.freq_base", 10000.0))
+    rope_scaling = None
+    if rope_freqs is not None:
+        rope_scaling = llama31_rope_scaling_from_freqs(rope_freqs, head_dim, rope_base, fields, arch, path)
     return ModelArgs(
         architecture="llama",
         block_size=get("context_length"),
@@ -72,10 +84,40 @@ def model_args_from_gguf(fields: dict, path, has_output: bool) -> ModelArgs:
         intermediate_size=get("feed_forward_length"),
         n_local_heads=fields.get(f"{arch}.attention.head_count_kv", n_head),
         head_dim=head_dim,
-        rope_base=float(fields.get(f"{arch}.rope.freq_base", 10000.0)),
+        rope_base=rope_base,
         norm_eps=float(get("attention.layer_norm_rms_epsilon")),
+        rope_scaling=rope_scaling,
         tie_embeddings=not has_output,  # llama.cpp omits output.weight when it is the embedding
     )
+
+
+def llama31_rope_scaling_from_freqs(rope_freqs: torch.Tensor, head_dim: int, rope_base: float, fields: dict,
+                                    arch: str, path) -> dict:
+    """The Llama-3.1 scaling parameters whose frequencies are base frequencies / rope_freqs.
+
+    llama.cpp writes the scaling only as that tensor (one divisor per frequency: 1 for short
+    wavelengths, `factor` for long ones, a ramp between). A GGUF may also name the factor and the
+    original context (rope.scaling.factor / .original_context_length), never the ramp's two ends.
+    So we try the metadata's factor and context with Llama-3.1's ramp ends, then every scaling
+    of model.py's named configs, and keep the first that reproduces the tensor."""
+    inv_freq = 1.0 / (rope_base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    candidates = []
+    factor = fields.get(f"{arch}.rope.scaling.factor")
+    if factor is not None:
+        original_context = fields.get(f"{arch}.rope.scaling.original_context_length", 8192)
+        candidates.append(dict(factor=float(factor), low_freq_factor=1.0, high_freq_factor=4.0,
+                               original_max_position_embeddings=int(original_context)))
+    for config in transformer_configs.values():
+        if config.get("rope_scaling") and config["rope_scaling"] not in candidates:
+            candidates.append(config["rope_scaling"])
+    if rope_freqs.shape == inv_freq.shape:
+        for scaling in candidates:
+            divisors = inv_freq / llama31_scale_frequencies(inv_freq, **scaling)
+            if torch.allclose(rope_freqs.double(), divisors, rtol=1e-4, atol=0):  # llama.cpp computes in float32
+                return dict(scaling)
+    tried = ", ".join(f"factor {c['factor']:g} over {c['original_max_position_embeddings']} tokens" for c in candidates)
+    raise ConversionError(f"{path}: rope_freqs.weight {tuple(rope_freqs.shape)} matches no Llama-3.1 RoPE scaling "
+                          f"we know for head_dim {head_dim}, base {rope_base:g} (tried {tried})")
 
 
 def hf_name(gguf_name: str) -> str:
@@ -89,7 +131,7 @@ def hf_name(gguf_name: str) -> str:
     return gguf_name
 
 
-def dequantized(t, config: ModelArgs) -> torch.Tensor:
+def dequantized(t, config: Optional[ModelArgs]) -> torch.Tensor:
     from gguf.quants import dequantize
     shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dimensions innermost first
     weight = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))  # a writable copy

@@ -31,11 +31,11 @@ TINY_HF_CONFIGS = {
 }
 
 
-def make_tiny_hf_model(name: str, seed: int = 0):
+def make_tiny_hf_model(name: str, seed: int = 0, **config_changes):
     """A random transformers model; weights (norms included) drawn wide enough that errors would show."""
     import transformers
     config_class, kwargs = TINY_HF_CONFIGS[name]
-    config = getattr(transformers, config_class)(**kwargs)
+    config = getattr(transformers, config_class)(**{**kwargs, **config_changes})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():

@@ -92,10 +92,10 @@ def test_stories260k_greedy_from_bos(stories260k_dir, tmp_path):
     assert tokenizer.decode(result.sequences[0]).startswith("Once upon a time, there was a little girl named Lily")
 
 
-def write_tiny_gguf(model, path):
+def write_tiny_gguf(model, path, add_more=None):
     """A float32 GGUF of a transformers Llama, written the way llama.cpp's converter does: its names,
     and q/k rows permuted from rotate-half to interleaved RoPE pairs. The vocabulary is the 256
-    byte-level characters and no merges."""
+    byte-level characters and no merges. add_more(writer) may add metadata and tensors of its own."""
     gguf = pytest.importorskip("gguf")
     from tokenizers import pre_tokenizers
     c = model.config
@@ -132,6 +132,8 @@ def write_tiny_gguf(model, path):
         elif parts[-2] == "k_proj":
             weight = to_interleaved(weight, c.num_key_value_heads)
         writer.add_tensor(f"{layer}{names[parts[-2]]}.weight", weight.numpy())
+    if add_more is not None:
+        add_more(writer)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
