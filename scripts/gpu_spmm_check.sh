@@ -15,7 +15,7 @@ date -u
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 
-timeout 120 python3 -m pytest -q -m gpu tests/test_sparse_spmm.py 2>&1 | tail -8
+timeout 100 python3 -m pytest -q -m gpu tests/test_sparse_spmm.py 2>&1 | tail -8
 
 python3 - "$OUT" <<'PY'
 import json, sys, torch

@@ -149,15 +149,13 @@ def candidate_configs(n_rows: int, n_words: int, n_tokens: int):
     """
     if INTERPRETING:  # the interpreter is slow: one small config that still splits K
         return [(32, MMA_TOKENS, 1, 1, 1 if n_tokens > MMA_TOKENS else max(1, min(2, n_words)))]
+    if n_tokens > MMA_TOKENS:  # 128 tokens per tile spill (sm_90 compile: 255 registers + stack)
+        return [(128, 64, 1, 4, 1), (256, 64, 1, 8, 1)]
     configs = []
     for warps in (4, 8):
         block_out = 32 * warps
         row_blocks = triton.cdiv(n_rows, block_out)
         for words in (1, 2):
-            if n_tokens > MMA_TOKENS:
-                for block_tokens in (64, 128):
-                    configs.append((block_out, block_tokens, words, warps, 1))
-                continue
             for target_programs in (264, 528, 1056):
                 split = max(1, min(triton.cdiv(target_programs, row_blocks), n_words // (2 * words)))
                 if (block_out, MMA_TOKENS, words, warps, split) not in configs:
