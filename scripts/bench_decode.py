@@ -64,7 +64,7 @@ def dense_bytes(name: str, batch_size: int, args) -> int:
     return generate.bytes_read_per_step(model, batch_size)["total"]
 
 
-def time_decode(model, batch_size: int, args) -> dict:
+def time_decode(model, batch_size: int, args, label: str = "run") -> dict:
     """Warm-up generate() (compiles), then a timed one; the median step time after warm-up steps."""
     prompts = [torch.randint(0, model.config.vocab_size, (args.prompt_length,)) for _ in range(batch_size)]
     sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=0, compile=True)
@@ -75,8 +75,30 @@ def time_decode(model, batch_size: int, args) -> dict:
     measured = result.step_times_s[args.warmup_steps:]
     if len(measured) < 50:
         raise ValueError(f"only {len(measured)} measured steps; raise --new_tokens above {args.warmup_steps + 51}")
+    if args.profile:
+        profile_steps(lambda: generate.generate(model, prompts, 64, **sampling), 63,
+                      args.out / f"profile_{label.replace(':', '-')}.txt")
     return dict(median_step_s=statistics.median(measured), measured_steps=len(measured),
                 first_call_s=round(warmup_s, 1))
+
+
+def profile_steps(run, steps: int, path: Path):
+    """Kernel time per decode step (CUDA graph replays included: CUPTI reports each kernel of a
+    replayed graph), summed by kernel name and divided by the steps; the table goes to `path`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    events.sort(key=lambda e: -e.self_device_time_total)
+    total_us = sum(e.self_device_time_total for e in events) / steps
+    lines = [f"{steps} decode steps (+ one prefill, included below); GPU kernel time per step {total_us:.1f} us",
+             f"{'us/step':>9} {'calls/step':>10}  kernel"]
+    lines += [f"{e.self_device_time_total / steps:9.1f} {e.count / steps:10.2f}  {e.key[:150]}" for e in events[:60]]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines[:25]), flush=True)
 
 
 def run_gptfast(gptfast_dir: Path, model_name: str, batch_size: int, args, timeout_s: float) -> dict:
@@ -156,7 +178,7 @@ def bench_model(name: str, sparse_patterns: list, dense_step_s: dict, remaining,
             if pattern != "dense":
                 repack_in_place(model, pattern)
             step_bytes = generate.bytes_read_per_step(model, batch_size)["total"]
-            timing = time_decode(model, batch_size, args)
+            timing = time_decode(model, batch_size, args, label=f"{name}_{pattern}_b{batch_size}")
             step_s = timing["median_step_s"]
             if pattern == "dense":
                 dense_step_s[batch_size] = step_s
@@ -229,6 +251,8 @@ def parse_args(argv=None):
     p.add_argument("--gptfast_timeout_s", type=float, default=600,
                    help="GPT-Fast's first compile alone took over 147 s on a fresh H200 machine")
     p.add_argument("--deadline_s", type=float, default=float("inf"), help="start nothing new after this long")
+    p.add_argument("--profile", action="store_true",
+                   help="after timing, profile 63 decode steps: kernel time per step into OUT/profile_*.txt")
     p.add_argument("--out", type=Path, default=Path("runs/bench_decode"))
     return p.parse_args(argv)
 

@@ -144,21 +144,22 @@ def bench_shape(out_features, in_features, batch, pattern, with_semi=True) -> di
     return row
 
 
-def sweep() -> list:
+def sweep(shapes=SWEEP_SHAPES, batches=(1, 4, 16)) -> list:
     """Time every config the autotuner picks from (kernels.candidate_configs) on a few shapes, the
     autotuned choice, and at batch 1 the interpreter-safe bit scan (float exponent instead of
     brev/bfind)."""
     rows = []
-    for out_features, in_features in SWEEP_SHAPES:
+    for out_features, in_features in shapes:
         values, mask = pack(random_weight(out_features, in_features), "2:4")
         n_words = in_features // 32
         packed = [(values, mask)] + [(values.clone(), mask.clone())
                                      for _ in range(copies_for(values.numel() * 2 + mask.numel() * 4) - 1)]
-        for batch in (1, 4, 16):
+        for batch in batches:
             x = torch.randn(batch, in_features, device="cuda", dtype=torch.bfloat16)
             for config in kernels.candidate_configs(out_features, n_words, batch):
                 us = time_per_call([sparse_call(x, v, m, config) for v, m in packed], replays=7)
                 rows.append(dict(out=out_features, inp=in_features, batch=batch, config=config, us=us))
+                print(f"{out_features}x{in_features} b{batch} {config}: {us:.1f} us", flush=True)
             tuned = kernels.spmv_config(x, values, mask)
             rows.append(dict(out=out_features, inp=in_features, batch=batch, config=tuned, tuned=True,
                              us=time_per_call([sparse_call(x, v, m) for v, m in packed])))
@@ -196,7 +197,10 @@ def main():
     p.add_argument("--batches", default=f"1,4,8,16,{PREFILL}")
     p.add_argument("--patterns", default="2:4")
     p.add_argument("--no-semi", action="store_true", help="skip torch's to_sparse_semi_structured")
-    p.add_argument("--sweep", action="store_true", help="config sweep on four shapes instead of the table")
+    p.add_argument("--sweep", action="store_true", help="config sweep on a few shapes instead of the table")
+    p.add_argument("--sweep-shapes", default=",".join(f"{o}x{i}" for o, i in SWEEP_SHAPES),
+                   help="OUTxIN,... for --sweep")
+    p.add_argument("--sweep-batches", default="1,4,16", help="batch sizes for --sweep")
     p.add_argument("--out-md", type=Path)
     p.add_argument("--out-json", type=Path)
     args = p.parse_args()
@@ -205,7 +209,8 @@ def main():
     torch.manual_seed(0)
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}", flush=True)
     if args.sweep:
-        rows = sweep()
+        shapes = [tuple(int(n) for n in shape.split("x")) for shape in args.sweep_shapes.split(",")]
+        rows = sweep(shapes, [int(b) for b in args.sweep_batches.split(",")])
         if args.out_json:
             args.out_json.write_text(json.dumps(rows, indent=1))
         best = {}
