@@ -217,11 +217,12 @@ def generation_calibration(model, prompts: list, n_tokens: int, max_new_tokens: 
     decode-step positions. The last sequence is cut so the count is exact. Greedy decoding would
     repeat itself, so it stops after one pass over the prompts.
 
-    With compile=True every batch has the same shape (batch_size rows, one KV cache sized for the
-    longest prompt up front), so the CUDA-graphed decode step is compiled once: a new batch size
-    or cache length would recompile it (~2 min for an 8B model). Rows past what is needed are
-    generated and dropped, which costs little in a memory-bound decode. Without compile a batch
-    is no larger than the remaining budget needs."""
+    With compile=True every generate() call has the same shape (batch_size rows, max_new_tokens
+    steps, one KV cache sized for the longest prompt up front), so the CUDA-graphed decode step is
+    compiled once: a new batch size or cache length, or even a shorter output buffer (its stride
+    is part of the compiled step's guards), would recompile it (~2 min for an 8B model). Rows and
+    steps past what is needed are generated and dropped, which costs little next to a compile.
+    Without compile a batch is no larger, and runs no longer, than the remaining budget needs."""
     from generate import generate  # imported here: text calibration must not need the generation stack
     if max_new_tokens < 2:
         raise CalibrationError("decode calibration needs max_new_tokens >= 2 (the first token comes from the prefill)")
@@ -243,7 +244,7 @@ def generation_calibration(model, prompts: list, n_tokens: int, max_new_tokens: 
                      len(prompts) - started if greedy else batch_size)
         size = batch_size if compile else useful
         # Nor more steps than that budget needs (sequences may still end early at EOS).
-        steps = min(max_new_tokens, math.ceil(remaining / useful) + 1)
+        steps = max_new_tokens if compile else min(max_new_tokens, math.ceil(remaining / useful) + 1)
         batch = [prompts[(started + j) % len(prompts)] for j in range(size)]
         started += useful
         result = generate(model, batch, steps, temperature=temperature, top_k=top_k, top_p=top_p,

@@ -9,8 +9,9 @@ bf16, float32 on the CPU), the prompts random token ids of the model's vocabular
 128,256 for Llama-3.1-8B) with lengths drawn uniformly from --prompt_lengths, like chat prompts
 of the paper's prompt sets. Every phase runs prune/'s own code, the functions the CLI calls:
 
-    compile     the first generate() call on the batch shape (CUDA: torch.compile + CUDA graph);
-                timed apart so the steady generation rate scales to other budgets
+    compile     a first generate() call of the calibration's exact shape (batch, steps, cache),
+                so torch.compile + CUDA-graph capture are timed apart from the steady generation
+                rate that scales to other budgets (this phase includes that one batch's decode)
     generation  prune.calibration.generation_calibration: --tokens decode steps, batches of
                 --batch_size prompts (sampled at the paper's T 0.7, top-k 20, top-p 0.8)
     offload     KV caches and the CUDA-graph pool freed, the model moved to the CPU, where the
@@ -79,10 +80,11 @@ def bench(args, record: dict):
     compile = device.type == "cuda" and not args.no_compile
     options = dict(SAMPLING, seed=args.seed, batch_size=args.batch_size, compile=compile)
 
-    phases.start()  # a generation of a few steps on the calibration's batch shape (cache sized as it will be)
+    # One batch of exactly the calibration's shape; any other (even fewer steps) would recompile.
+    phases.start()
     model.setup_caches(args.batch_size, min(model.config.block_size, args.prompt_lengths[1] + args.max_new_tokens))
     batch = [prompts[j % len(prompts)] for j in range(args.batch_size)]
-    generate(model, batch, 4, **SAMPLING, seed=args.seed, compile=compile)
+    generate(model, batch, args.max_new_tokens, **SAMPLING, seed=args.seed, compile=compile)
     phases.stop("compile")
 
     phases.start()

@@ -145,22 +145,23 @@ def test_decode_budget_is_exact_and_cycles_prompts_with_sampling():
 
 
 def test_compiled_generation_keeps_one_batch_shape(monkeypatch):
-    """With compile=True every generate() call must see the same batch size and KV-cache length
-    (a new shape would recompile the CUDA-graphed step): short last batches are padded with rows
-    that are dropped, the cache is sized once for the longest prompt, and the budget stays exact."""
+    """With compile=True every generate() call must see the same batch size, step count and
+    KV-cache length (a new shape would recompile the CUDA-graphed step): short last batches are
+    padded with rows that are dropped, the cache is sized once for the longest prompt, and the
+    budget stays exact."""
     generate = pytest.importorskip("generate")
     model = tiny_model()
     real_generate, shapes = generate.generate, []
 
     def spy(model, prompts, max_new_tokens, **options):
-        shapes.append((len(prompts), model.max_batch_size, model.max_seq_length))
+        shapes.append((len(prompts), max_new_tokens, model.max_batch_size, model.max_seq_length))
         return real_generate(model, prompts, max_new_tokens, **dict(options, compile=False))
 
     monkeypatch.setattr(generate, "generate", spy)
     prompts = [torch.arange(2, 2 + n) for n in (3, 9, 5)]
     calibration = generation_calibration(model, prompts, n_tokens=40, max_new_tokens=8, batch_size=4, compile=True)
     assert calibration.counted_tokens == 40
-    assert len(set(shapes)) == 1 and shapes[0][:2] == (4, 4) and shapes[0][2] >= 9 + 8
+    assert len(set(shapes)) == 1 and shapes[0][:3] == (4, 8, 4) and shapes[0][3] >= 9 + 8
     assert len(shapes) == 2  # 4 rows x 7 decode steps, then 12 more tokens from the same shape
     greedy = generation_calibration(model, prompts, n_tokens=100, max_new_tokens=8, temperature=0.0, batch_size=4,
                                     compile=True)
