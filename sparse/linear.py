@@ -1,10 +1,10 @@
 """SparseLinear: an nn.Linear whose weight is stored packed (values + mask), and the model swap helpers.
 
 Dispatch of `sparse_matmul` by where it runs and how many rows x has:
-- CUDA (or CPU under TRITON_INTERPRET=1): fewer than SPMM_MIN_ROWS rows -> the CUDA-core SpMV
-  (kernels.spmv); from SPMM_MIN_ROWS to 16 rows -> the tensor-core SpMM (spmm.spmm), which
-  expands the weight tile in registers; more rows (prefill) -> the SpMM too if
-  SPMM_PREFILL, else expand the whole weight to dense with a Triton kernel and call cuBLAS.
+- CUDA (or CPU under TRITON_INTERPRET=1): up to 16 rows -> the CUDA-core SpMV (kernels.spmv),
+  or from SPMM_MIN_ROWS rows on the tensor-core SpMM (spmm.spmm, which expands weight tiles in
+  registers for tl.dot); more rows (prefill) -> the SpMM if SPMM_PREFILL, else expand the
+  weight to dense with a Triton kernel and call cuBLAS. Both switches are off until measured.
 - CPU otherwise: pure PyTorch (unpack + F.linear).
 The CUDA path is a `torch.library.custom_op`, so torch.compile(fullgraph=True) keeps it as one
 opaque node and mode="reduce-overhead" records its kernels into the CUDA graph. (An opaque op
@@ -18,18 +18,20 @@ from torch import Tensor
 from sparse import kernels, spmm
 from sparse.format import pack, packed_shapes, unpack
 
-# Where the tensor-core SpMM takes over from the CUDA-core SpMV: the SpMV's FMAs grow with the
-# rows of x, the SpMM's expansion does not (H200 measurements: docs/KERNEL_NOTES.md).
-SPMM_MIN_ROWS = 8
-SPMM_PREFILL = False  # prefill through the fused SpMM instead of expand-to-dense + cuBLAS
+# Where the tensor-core SpMM takes over: the SpMV's FMAs grow with the rows of x, the SpMM's
+# expansion does not. Both switches wait for the SpMM's first H200 timing
+# (scripts/gpu_spmm_check.sh); until then the SpMV keeps every batch size (16 + 1 = never) and
+# prefill stays expand-to-dense + cuBLAS.
+SPMM_MIN_ROWS = kernels.MAX_SPMV_BATCH + 1
+SPMM_PREFILL = False
 
 
 @torch.library.custom_op("sparse_decoding::bitmask_matmul", mutates_args=())
 def _bitmask_matmul(x: Tensor, values: Tensor, mask: Tensor) -> Tensor:
     rows = x.shape[0]
-    if rows < SPMM_MIN_ROWS:
-        return kernels.spmv(x, values, mask)
-    if rows <= kernels.MAX_SPMV_BATCH or SPMM_PREFILL:
+    if rows <= kernels.MAX_SPMV_BATCH:
+        return kernels.spmv(x, values, mask) if rows < SPMM_MIN_ROWS else spmm.spmm(x, values, mask)
+    if SPMM_PREFILL:
         return spmm.spmm(x, values, mask)
     return F.linear(x, kernels.unpack_to_dense(values, mask).to(x.dtype))
 
