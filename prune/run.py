@@ -390,7 +390,8 @@ def parse_args(argv):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--max_new_tokens", type=int, default=512)
-    p.add_argument("--batch_size", type=int, default=16, help="prompts generated at once")
+    p.add_argument("--batch_size", type=int, help="prompts generated at once (default: 128 on CUDA, where the decode "
+                   "is memory-bound and a batch costs about what one row does; 16 on the CPU)")
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--top_k", type=int, default=20)
     p.add_argument("--top_p", type=float, default=0.8)
@@ -425,6 +426,7 @@ def main(argv=None):
         selected_linears(model, args.pattern, args.include, args.exclude)
         del model
         args.seq_len = args.seq_len or min(2048, config.block_size)
+        args.batch_size = args.batch_size or (128 if device.type == "cuda" else 16)
         if args.seq_len > config.block_size:
             raise ValueError(f"--seq_len {args.seq_len} exceeds the model's context of {config.block_size} tokens")
         calibration = build_calibration(args, config, device)
@@ -441,5 +443,6 @@ def main(argv=None):
     timing = metadata["timing"]
     print(f"wrote {args.out}: {len(metadata['sparsity']['layers'])} linears {args.method} {args.pattern}, "
           f"{metadata['calibration']['counted_tokens']} calibration tokens; "
-          f"calibration {calibrated - started:.1f} s, pruning {timing['prune_seconds']:.1f} s, wall {wall:.1f} s, "
+          f"calibration {calibrated - started:.1f} s, pruning {timing['prune_seconds']:.1f} s (replay "
+          f"{timing['replay_seconds']:.1f}, solve {timing['solve_seconds']:.1f}), wall {wall:.1f} s, "
           f"peak memory {timing['peak_memory_bytes'] / 2**30:.2f} GiB ({timing['device']})")
