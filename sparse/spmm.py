@@ -2,7 +2,7 @@
 
 `kernels.spmv` does one FMA per kept weight per row of x on the CUDA cores, so at batch 16 its
 FMAs alone nearly use the instruction budget (docs/KERNEL_NOTES.md). Here each program expands
-a tile of W (BLOCK_OUT rows x 32*WORDS columns) to dense bf16 in registers and feeds `tl.dot`
+a tile of W (BLOCK_OUT rows x 32*WORDS columns) to dense in registers and feeds `tl.dot`
 against a tile of x^T (the token axis padded to the MMA's N = 16, or a token tile for prefill),
 accumulating in fp32. The expansion costs the same whatever the number of tokens:
 
@@ -10,17 +10,25 @@ accumulating in fp32. The expansion costs the same whatever the number of tokens
     rank = popcount(word & ((1 << c) - 1)),  value = values[k * NNZ + rank, r]
 
 The value is a gather, but it stays inside the 2 * NNZ * BLOCK_OUT bytes the tile's word owns,
-so it is served by L1 after the first touch. Each thread owns one row and expands all its
-columns in registers, in column order (see `_expand_columns`), so the tile leaves for the MMA's
-shared memory in 16-byte stores. Mask words are loaded two K steps ahead and the expanded tile
-one step ahead of its MMA: a program waits on memory once, not once per step.
+so it is served by L1 after the first touch. Threads own rows and expand their columns in
+registers in column order (see `_expand_columns`), so for WORDS = 2 the tile leaves for the
+MMA's shared memory in 16-byte stores. Mask words are loaded two K steps ahead and the
+expanded tile one step ahead of its MMA: a program waits on memory once, not once per step.
+
+Cost (SASS of the loop, Triton 3.6, sm_90, BLOCK_OUT 128, WORDS 2): 698 instructions per
+thread per 64 dense columns, 10.9 per dense weight = 21.8 per kept weight at 50 %, whatever the
+batch: popcount + mask, compare, 3 for the address, the load, zero-fill and pairing, 1/8 of a
+16-byte shared store; the MMAs are 8 instructions. That is above the 17.7 the H200 can issue
+per kept weight at full bandwidth, so the best case is ~80 % of the bytes floor; the gathers'
+L1 wavefronts (one per distinct rank among a warp's rows) are the other limit, lower for 2:4
+(ranks of a column differ by at most 2) than for 16:32. Prefill redoes the expansion for every
+64-token tile (128 spill), ~30x per weight at 2048 tokens: slower than expanding once + cuBLAS.
 
 Where the grid would be too small to fill the GPU, K is split over programs; their fp32
 partial sums meet in the workspace that `kernels.spmv` also uses (`_store_or_reduce`).
 `INTERPRETER_SAFE` (a constexpr) swaps libdevice popc for the SWAR `kernels._popcount`, so the
 same source runs under TRITON_INTERPRET=1 on CPU.
-"""
-import torch
+"""import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import libdevice
@@ -51,8 +59,10 @@ def _expand_columns(values_ptr, slot_offsets, words, row_stride, FIRST: tl.const
     every thread holds its row's columns in order (join/reshape only relabel registers).
     """
     if COUNT == 1:
-        kept = (words & (1 << FIRST)) != 0
+        # The bits up to and including this column, counted, are the next column's rank: the
+        # compiler shares that popcount, so the kept test costs one compare, not a shift + test.
         rank = _count_bits(words & ((1 << FIRST) - 1), INTERPRETER_SAFE)
+        kept = _count_bits(words & ((2 << FIRST) - 1), INTERPRETER_SAFE) != rank
         dense = tl.load(values_ptr + (slot_offsets + rank * row_stride), mask=kept, other=0.0)
     else:
         even = _expand_columns(values_ptr, slot_offsets, words, row_stride, FIRST, 2 * STRIDE, COUNT // 2,
@@ -149,8 +159,10 @@ def candidate_configs(n_rows: int, n_words: int, n_tokens: int):
     """
     if INTERPRETING:  # the interpreter is slow: one small config that still splits K
         return [(32, MMA_TOKENS, 1, 1, 1 if n_tokens > MMA_TOKENS else max(1, min(2, n_words)))]
-    if n_tokens > MMA_TOKENS:  # 128 tokens per tile spill (sm_90 compile: 255 registers + stack)
-        return [(128, 64, 1, 4, 1), (256, 64, 1, 8, 1)]
+    if n_tokens > MMA_TOKENS:
+        # 64 tokens per tile: 128 spill (sm_90 compile: 255 registers + stack). The expansion is
+        # redone for every token tile, so prefill pays it n_tokens / 64 times (see the module doc).
+        return [(128, 64, 2, 4, 1)]
     configs = []
     for warps in (4, 8):
         block_out = 32 * warps
