@@ -6,20 +6,23 @@ For every (method, pattern, calibration, seed) it prunes the dense checkpoint wi
 exactly as `python -m prune` would (skipped when the output already exists, so a run can be resumed
 or extended), then evaluates it; each checkpoint's metrics are cached as JSON next to it, and each
 decode calibration (the dense model's generations, shared by every backend and pattern at one seed)
-is cached in the workdir. Both calibrations get the same token
-budget: --tokens decode-step tokens for decoding-aware, --tokens text tokens for C4.
+is cached in the workdir. Both calibrations get the same token budget: --tokens decode-step tokens
+for decoding-aware, --tokens text tokens for C4.
 
 Prompt split (nothing is evaluated on prompts it was calibrated on):
   calibration (decode): LongBench-Write-en rows whose index is not a multiple of 3, then MBPP
                         problem statements 601-974 (outside MBPP's test split);
   held-out (fidelity):  LongBench-Write-en rows 0, 3, 6, ... and the first HumanEval prompts.
 Perplexity is measured on WikiText-2 test (C4 is a calibration source, so it would favour C4).
+Task scores (greedy): pass@1 on the first --task_limit HumanEval / MBPP-test / ClassEval problems, and
+LongBench-Write S_l on the first --task_limit held-out writing prompts.
 
 CLI: python -m evaluation.compare --checkpoint dense.pth --workdir runs/grid --seeds 0 1 2 --tokens 16384
-         [--methods sparsegpt wanda] [--patterns 2:4 8:16 50%] [--tasks humaneval mbpp --task_limit 20]
+         [--methods sparsegpt wanda] [--patterns 2:4 8:16 50%] [--tasks humaneval mbpp longbench_write --task_limit 20]
          --out docs/results.json --plot docs/results.png --table docs/results_table.md
 """
 import argparse
+import functools
 import hashlib
 import json
 import statistics
@@ -42,13 +45,19 @@ METRICS = [("kl", "KL(dense||pruned)", False), ("top1_agreement", "top-1 agree",
            ("tokens_to_divergence_mean", "tokens to diverge", True), ("wikitext2_ppl", "WikiText-2 PPL", False)]
 
 
+def writing_rows(heldout: bool) -> list[dict]:
+    """LongBench-Write-en rows ({"prompt", "length", ...}): every third one (0, 3, 6, ...) is held out,
+    the others are calibration prompts."""
+    rows = read_jsonl(data_path("longbench_write_en.jsonl"))
+    return [row for i, row in enumerate(rows) if (i % 3 == 0) == heldout]
+
+
 def prompt_split(n_writing_heldout: int = 20, n_code_heldout: int = 10) -> tuple[list[str], list[str]]:
     """(calibration prompts, held-out prompts) as described in the module docstring."""
-    writing = [row["prompt"] for row in read_jsonl(data_path("longbench_write_en.jsonl"))]
     mbpp = [row["text"] for row in read_jsonl(data_path("mbpp.jsonl")) if row["task_id"] >= 601]
     humaneval = [row["prompt"] for row in read_jsonl(data_path("HumanEval.jsonl.gz"))[:n_code_heldout]]
-    calibration = [p for i, p in enumerate(writing) if i % 3 != 0] + mbpp
-    heldout = [p for i, p in enumerate(writing) if i % 3 == 0][:n_writing_heldout] + humaneval
+    calibration = [row["prompt"] for row in writing_rows(heldout=False)] + mbpp
+    heldout = [row["prompt"] for row in writing_rows(heldout=True)][:n_writing_heldout] + humaneval
     return calibration, heldout
 
 
@@ -58,7 +67,9 @@ def run_name(method: str, pattern: str, calib: str, seed: int) -> str:
 
 def prune_argv(args, method, pattern, calib, seed, calib_prompts: Path, out: Path) -> list[str]:
     """The `python -m prune` arguments of one cell."""
-    source = ["--prompts", str(calib_prompts), "--max_new_tokens", str(args.calib_max_new_tokens)] if calib == "decode" \
+    # Every flag whose default prune's main() would resolve is given, since the cell bypasses main().
+    source = ["--prompts", str(calib_prompts), "--max_new_tokens", str(args.calib_max_new_tokens),
+              "--batch_size", str(args.calib_batch_size)] if calib == "decode" \
         else ["--text", str(data_path("c4_sample.jsonl")), "--seq_len", str(args.calib_seq_len)]
     return ["--checkpoint", str(args.checkpoint), "--method", method, "--pattern", pattern, "--calib", calib, *source,
             "--tokens", str(args.tokens), "--seed", str(seed), "--device", args.device, "--out", str(out),
@@ -119,21 +130,31 @@ def cached_calibration(cache_dir: Path, prune_args):
 
 
 def evaluate_checkpoint(args, model, context: dict) -> dict:
-    """Decode fidelity against the dense model (skipped for the dense model itself), perplexity, tasks."""
+    """Decode fidelity against the dense model (skipped for the dense model itself) and perplexity."""
     from evaluation.fidelity import decode_fidelity
     from evaluation.perplexity import perplexity
 
     is_dense = model is context["dense"]
     metrics = {} if is_dense else decode_fidelity(context["dense"], model, context["references"], context["dense_logits"])
     metrics["wikitext2_ppl"] = perplexity(model, context["wikitext_ids"], args.seq_len)["perplexity"]
-    if args.tasks:
-        from evaluation import code_tasks
-        from evaluation.generation import make_generate_fn
-
-        generate_fn = make_generate_fn(model, context["tokenizer"], args.task_max_new_tokens, args.batch_size)
-        for task in args.tasks:
-            metrics[f"{task}_pass@1"] = code_tasks.evaluate(task, generate_fn, args.task_limit)["pass@1"]
     return metrics
+
+
+def task_score(args, task: str, model, tokenizer, detail_path: Path) -> dict:
+    """One task on greedy replies, its first --task_limit items: pass@1 for the code benchmarks, S_l
+    for LongBench-Write on the held-out writing prompts. Replies and per-item scores go to detail_path."""
+    from evaluation import code_tasks, longbench_write
+    from evaluation.generation import make_generate_fn
+
+    generate_fn = make_generate_fn(model, tokenizer, args.task_max_new_tokens, args.batch_size)
+    if task == "longbench_write":
+        result = longbench_write.evaluate(writing_rows(heldout=True)[: args.task_limit], generate_fn)
+        score = {"longbench_write_S_l": result["S_l"]}
+    else:
+        result = code_tasks.evaluate(task, generate_fn, args.task_limit)
+        score = {f"{task}_pass@1": result["pass@1"]}
+    write_json_atomic(detail_path, result)
+    return score
 
 
 def aggregate(runs: list[dict]) -> dict:
@@ -144,7 +165,7 @@ def aggregate(runs: list[dict]) -> dict:
     table = {}
     for key, metric_list in groups.items():
         table[key] = {}
-        for metric in metric_list[0]:
+        for metric in dict.fromkeys(m for metrics in metric_list for m in metrics):  # a task may lack some seeds
             values = [m[metric] for m in metric_list if isinstance(m.get(metric), (int, float))]
             if values:
                 spread = statistics.stdev(values) if len(values) > 1 else 0.0
@@ -154,7 +175,7 @@ def aggregate(runs: list[dict]) -> dict:
 
 def metric_columns(table: dict) -> list[tuple[str, str, bool]]:
     present = {m for row in table.values() for m in row}
-    task_metrics = sorted(m for m in present if m.endswith("pass@1"))
+    task_metrics = sorted(m for m in present if m.endswith(("pass@1", "_S_l")))
     return [c for c in METRICS if c[0] in present] + [(m, m, True) for m in task_metrics]
 
 
@@ -171,7 +192,7 @@ def markdown_table(table: dict, dense: dict) -> str:
             if row is None:
                 continue
             n = max(v[2] for v in row.values())
-            cells = [_fmt_spread(row.get(key)) for key, _, _ in columns]
+            cells = [_fmt_spread(row.get(key), n) for key, _, _ in columns]
             lines.append(f"| {method} | {pattern} | {CALIB_LABEL[calib]} | {n} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -200,8 +221,12 @@ def _fmt(value) -> str:
     return f"{value:.4g}" if abs(value) < 1000 else f"{value:.0f}"
 
 
-def _fmt_spread(cell) -> str:
-    return "-" if cell is None else f"{_fmt(cell[0])} ± {_fmt(cell[1])}"
+def _fmt_spread(cell, n_row: int) -> str:
+    """mean ± std; a metric measured on fewer seeds than its row says on how many."""
+    if cell is None:
+        return "-"
+    mean, std, n = cell
+    return f"{_fmt(mean)} ± {_fmt(std)}" if n == n_row else f"{_fmt(mean)} ± {_fmt(std)} (n={n})"
 
 
 def plot(table: dict, dense: dict, path):
@@ -239,6 +264,7 @@ def main():
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--tokens", type=int, default=16384, help="calibration budget, the same for both sources")
     parser.add_argument("--calib_max_new_tokens", type=int, default=256, help="decode calibration: tokens per prompt")
+    parser.add_argument("--calib_batch_size", type=int, default=16, help="decode calibration: prompts generated at once")
     parser.add_argument("--calib_seq_len", type=int, default=512, help="text calibration: window length")
     parser.add_argument("--calibration_cache", type=Path,
                         help="folder of cached decode calibrations (default: --workdir); share it between workdirs")
@@ -249,13 +275,15 @@ def main():
     parser.add_argument("--max_new_tokens", type=int, default=128, help="length of the dense reference generations")
     parser.add_argument("--ppl_tokens", type=int, default=32768)
     parser.add_argument("--seq_len", type=int, default=512, help="perplexity window")
-    parser.add_argument("--tasks", nargs="*", default=[], choices=["humaneval", "mbpp", "classeval"])
+    parser.add_argument("--tasks", nargs="*", default=[], choices=["humaneval", "mbpp", "classeval", "longbench_write"],
+                        help="task scores, each cached on its own (adding a task re-runs nothing else)")
     parser.add_argument("--task_limit", type=int, default=20)
     parser.add_argument("--task_max_new_tokens", type=int, default=384)
     parser.add_argument("--batch_size", type=int, default=8)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--existing_only", action="store_true",
-                        help="skip cells whose pruned checkpoint is not in --workdir (tabulate what exists)")
+                        help="tabulate what exists: cells whose pruned checkpoint is in --workdir, task scores "
+                             "already measured")
     parser.add_argument("--out", type=Path, required=True, help="results JSON")
     parser.add_argument("--plot", type=Path, help="PNG")
     parser.add_argument("--table", type=Path, help="markdown table")
@@ -306,10 +334,23 @@ def run_grid(args) -> dict:
                        dense_logits=decode_step_logits(dense, references))
         return context
 
-    eval_key = (f"ppl{args.ppl_tokens}x{args.seq_len}-refs{len(heldout)}x{args.max_new_tokens}"
-                f"-tasks{'+'.join(args.tasks) or 'none'}{args.task_limit if args.tasks else ''}")
-    dense_metrics = cached_metrics(args.workdir / f"dense.{eval_key}.json",
-                                   lambda: evaluate_checkpoint(args, evaluation_context()["dense"], evaluation_context()))
+    eval_key = f"ppl{args.ppl_tokens}x{args.seq_len}-refs{len(heldout)}x{args.max_new_tokens}"
+    task_keys = {task: f"{task}{args.task_limit}x{args.task_max_new_tokens}" for task in args.tasks}
+
+    def metrics_of(name: str, load) -> dict:
+        """Fidelity and perplexity, then each task score, each from its cache or measured (the model
+        is loaded only if something is measured)."""
+        metrics = cached_metrics(args.workdir / f"{name}.{eval_key}.json",
+                                 lambda: evaluate_checkpoint(args, load(), evaluation_context()))
+        for task, key in task_keys.items():
+            path = args.workdir / f"{name}.{key}.json"
+            if path.exists() or not args.existing_only:
+                metrics.update(cached_metrics(path, lambda: task_score(
+                    args, task, load(), evaluation_context()["tokenizer"], path.with_suffix(".detail.json"))))
+        return metrics
+
+    evaluation = "+".join([eval_key, *task_keys.values()])  # names what the results were measured with
+    dense_metrics = metrics_of("dense", lambda: evaluation_context()["dense"])
     grid = [(m, p, c, s) for s in args.seeds for p in args.patterns for m in args.methods for c in CALIBRATIONS]
     runs = []
     for method, pattern, calib, seed in tqdm(grid, desc="grid"):
@@ -318,16 +359,15 @@ def run_grid(args) -> dict:
         if args.existing_only and not checkpoint.exists():
             continue
         prune(args, method, pattern, calib, seed, calib_prompts, checkpoint)
-        metrics = cached_metrics(args.workdir / f"{name}.{eval_key}.json", lambda: evaluate_checkpoint(
-            args, load_model(checkpoint, args.device), evaluation_context()))
+        metrics = metrics_of(name, functools.cache(lambda: load_model(checkpoint, args.device)))
         runs.append({"method": method, "pattern": pattern, "calib": calib, "seed": seed, "metrics": metrics})
-        write_results(args, runs, dense_metrics, eval_key)
-    return write_results(args, runs, dense_metrics, eval_key)
+        write_results(args, runs, dense_metrics, evaluation)
+    return write_results(args, runs, dense_metrics, evaluation)
 
 
-def write_results(args, runs, dense_metrics, eval_key) -> dict:
+def write_results(args, runs, dense_metrics, evaluation: str) -> dict:
     table = aggregate(runs)
-    results = {"checkpoint": str(args.checkpoint), "calibration_tokens": args.tokens, "evaluation": eval_key, "dense": dense_metrics, "runs": runs,
+    results = {"checkpoint": str(args.checkpoint), "calibration_tokens": args.tokens, "evaluation": evaluation, "dense": dense_metrics, "runs": runs,
                "table_markdown": markdown_table(table, dense_metrics), "verdicts": verdicts(table)}
     write_json_atomic(args.out, results)
     if args.table:

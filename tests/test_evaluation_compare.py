@@ -1,5 +1,6 @@
 """The comparison runner: seed aggregation, the paper-style table, verdicts, plot, and cells pruned with cached decode calibrations."""
 import dataclasses
+import json
 import shutil
 from argparse import Namespace
 
@@ -72,7 +73,7 @@ def test_cells_reuse_the_decode_calibration_and_equal_the_prune_cli(checkpoint_w
     equal what `python -m prune` writes for the same flags, and a new seed generates afresh."""
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "Once upon a time"}\n{"prompt": "The dog ran"}\n{"prompt": "Lily saw"}\n')
-    args = Namespace(checkpoint=checkpoint_with_tokenizer, calib_max_new_tokens=9, calib_seq_len=32, tokens=40,
+    args = Namespace(checkpoint=checkpoint_with_tokenizer, calib_max_new_tokens=9, calib_batch_size=2, calib_seq_len=32, tokens=40,
                      device="cpu", workdir=tmp_path / "grid", calibration_cache=None, prune_args=["--one_shot"])
     args.workdir.mkdir()
     for method, seed in (("sparsegpt", 0), ("wanda", 0), ("wanda", 1)):
@@ -86,3 +87,48 @@ def test_cells_reuse_the_decode_calibration_and_equal_the_prune_cli(checkpoint_w
         assert ("reused_from" in meta["calibration"]) == (method == "wanda" and seed == 0)
         assert meta["calibration"]["collection"] == "one-shot"
     assert len(list(args.workdir.glob("calibration-decode-40tok-seed*.pt"))) == 2
+
+
+def test_grid_caches_each_task_apart_and_existing_only_measures_nothing(tmp_path, monkeypatch):
+    """Adding a task to a finished grid measures only that task; --existing_only reads, never measures."""
+    import evaluation.compare as compare
+    import evaluation.fidelity
+    import evaluation.generation
+    import evaluation.perplexity
+
+    class Tokenizer:  # the context encodes WikiText with it
+        encode = staticmethod(lambda text: [0])
+
+    measured = []
+    monkeypatch.setattr(compare, "prompt_split", lambda *a: (["calibrate"], ["held out"]))
+    monkeypatch.setattr(compare, "data_path", lambda name: tmp_path / name)
+    monkeypatch.setattr(compare, "prune", lambda args, method, pattern, calib, seed, prompts, out: out.touch())
+    monkeypatch.setattr(evaluation.generation, "load_model_and_tokenizer", lambda *a: ("dense", Tokenizer()))
+    monkeypatch.setattr(evaluation.generation, "load_model", lambda checkpoint, device: checkpoint.stem)
+    monkeypatch.setattr(evaluation.fidelity, "dense_references", lambda *a: [[[1], [2]]])
+    monkeypatch.setattr(evaluation.fidelity, "decode_step_logits", lambda *a: None)
+    monkeypatch.setattr(evaluation.perplexity, "read_text", lambda *a, **k: "text")
+    monkeypatch.setattr(compare, "evaluate_checkpoint", lambda args, model, context: measured.append(model) or {"kl": 1.0})
+    monkeypatch.setattr(compare, "task_score", lambda args, task, model, tokenizer, detail: measured.append(
+        (task, model)) or {f"{task}_pass@1": 0.5})
+
+    def grid(*extra):
+        argv = ["--checkpoint", "dense.pth", "--workdir", str(tmp_path / "grid"), "--methods", "wanda", "--patterns",
+                "2:4", "--seeds", "0", "--out", str(tmp_path / "results.json"), *extra]
+        monkeypatch.setattr("sys.argv", ["compare", *argv])
+        measured.clear()
+        compare.main()
+        return measured[:]
+
+    assert grid() == ["dense", "wanda-2of4-text-seed0", "wanda-2of4-decode-seed0"]
+    assert grid("--tasks", "humaneval") == [("humaneval", "dense"), ("humaneval", "wanda-2of4-text-seed0"),
+                                            ("humaneval", "wanda-2of4-decode-seed0")]
+    assert grid("--tasks", "humaneval", "mbpp", "--existing_only") == []
+    runs = json.loads((tmp_path / "results.json").read_text())["runs"]
+    assert all(run["metrics"] == {"kl": 1.0, "humaneval_pass@1": 0.5} for run in runs)
+
+
+def test_a_metric_on_fewer_seeds_than_its_row_says_so():
+    runs = fake_runs() + [{"method": "sparsegpt", "pattern": "2:4", "calib": "text", "seed": 2, "metrics": {"kl": 0.32}}]
+    text = markdown_table(aggregate(runs), {})
+    assert "| sparsegpt | 2:4 | C4 | 3 | 0.32 ± 0.02 | 31 ± 1.414 (n=2) | 0.1 ± 0 (n=2) |" in text
