@@ -28,7 +28,8 @@ Where the grid would be too small to fill the GPU, K is split over programs; the
 partial sums meet in the workspace that `kernels.spmv` also uses (`_store_or_reduce`).
 `INTERPRETER_SAFE` (a constexpr) swaps libdevice popc for the SWAR `kernels._popcount`, so the
 same source runs under TRITON_INTERPRET=1 on CPU.
-"""import torch
+"""
+import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import libdevice
