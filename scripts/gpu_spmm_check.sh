@@ -3,23 +3,28 @@
 # Llama-3.1-8B shapes at batch 4/8/16 and a 2048-token prefill against kernels.spmv, the
 # prefill's expand + cuBLAS and cuBLAS bf16 F.linear, and the registers/spills of every compiled
 # SpMM variant. Details go to $OUT (the device tool's output folder) or ./runs/gpu_spmm:
-# check.log (everything printed), spmm_bench.json, spmm_*.sass; the table is printed last.
-#   bash scripts/gpu_spmm_check.sh
+# check.log, pytest.log, spmm_bench.json, spmm_*.sass; the table is printed last. Stages: tests
+# bench (default both); the whole call takes ~3-4 min, mostly compiling and autotuning.
+#   bash scripts/gpu_spmm_check.sh [tests] [bench]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu_spmm}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+stages=${*:-tests bench}
 exec > >(tee "$OUT/check.log") 2>&1
 date -u
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 
-# Into a file, not a pipe: on 2026-11-29 a `pytest | tail` here outlived its timeout because
-# inductor's compile workers kept the pipe open, and the call ran out of time before the bench.
+# Into a file, not a pipe: on 2026-11-29 a `pytest | tail` here outlived its timeout, most likely
+# because inductor's compile workers kept the pipe open; the call ran out of time before the bench.
 export TORCHINDUCTOR_COMPILE_THREADS=1
-timeout -k 10 100 python3 -m pytest -q -m gpu tests/test_sparse_spmm.py > "$OUT/pytest.log" 2>&1
-tail -8 "$OUT/pytest.log"
+if [[ " $stages " == *" tests "* ]]; then
+  timeout -k 10 100 python3 -m pytest -q -m gpu tests/test_sparse_spmm.py > "$OUT/pytest.log" 2>&1
+  tail -8 "$OUT/pytest.log"
+fi
+[[ " $stages " == *" bench "* ]] || exit 0
 
 python3 - "$OUT" <<'PY'
 import json, sys, torch
