@@ -97,6 +97,15 @@ def _expand_tile(values_ptr, words, k, rows, n_rows, NNZ: tl.constexpr, WORDS: t
 
 
 @triton.jit
+def _multiply_step(acc, tile, x_ptr, tokens, token_ok, k, k_end, n_words, WORDS: tl.constexpr):
+    """acc += tile @ x[tokens, 32k : 32(k + WORDS)].T (x read as W's dtype; zero past k_end)."""
+    columns = k * 32 + tl.arange(0, 32 * WORDS)
+    x_tile = tl.load(x_ptr + tokens[None, :] * (n_words * 32) + columns[:, None],
+                     mask=token_ok[None, :] & (columns < k_end * 32)[:, None], other=0.0)
+    return tl.dot(tile, x_tile.to(tile.dtype), acc)
+
+
+@triton.jit
 def _store_or_reduce(acc, y_ptr, workspace_ptr, arrivals_ptr, counter, offsets, ok):
     """Store acc, or with K split over programs (grid axis 2) add it to the fp32 workspace; the
     last program of `counter` to arrive stores the sum and leaves workspace and counter zeroed."""
@@ -126,24 +135,22 @@ def _spmm_kernel(x_ptr, values_ptr, mask_ptr, y_ptr, workspace_ptr, arrivals_ptr
     row_ok = rows < n_rows
     tokens = tl.program_id(1) * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
     token_ok = tokens < n_tokens
-    columns = tl.arange(0, 32 * WORDS)
     k_begin = tl.program_id(2) * words_per_split
     k_end = tl.minimum(k_begin + words_per_split, n_words)
 
     # Software pipeline: the tile multiplied now was gathered one step ago, from words loaded
-    # two steps ago.
+    # two steps ago. The last step is peeled off so that no program expands a tile past its end.
     tile = _expand_tile(values_ptr, _load_words(mask_ptr, k_begin, k_end, rows, row_ok, n_rows, WORDS),
                         k_begin, rows, n_rows, NNZ, WORDS, INTERPRETER_SAFE)
     next_words = _load_words(mask_ptr, k_begin + WORDS, k_end, rows, row_ok, n_rows, WORDS)
     acc = tl.zeros([BLOCK_OUT, BLOCK_TOKENS], dtype=tl.float32)
-    for k in range(k_begin, k_end, WORDS):
+    k_last = k_begin + (k_end - k_begin - 1) // WORDS * WORDS
+    for k in range(k_begin, k_last, WORDS):
         next_tile = _expand_tile(values_ptr, next_words, k + WORDS, rows, n_rows, NNZ, WORDS, INTERPRETER_SAFE)
         next_words = _load_words(mask_ptr, k + 2 * WORDS, k_end, rows, row_ok, n_rows, WORDS)
-        x_columns = k * 32 + columns
-        x_tile = tl.load(x_ptr + tokens[None, :] * (n_words * 32) + x_columns[:, None],
-                         mask=token_ok[None, :] & (x_columns < k_end * 32)[:, None], other=0.0)
-        acc = tl.dot(tile, x_tile.to(tile.dtype), acc)
+        acc = _multiply_step(acc, tile, x_ptr, tokens, token_ok, k, k_end, n_words, WORDS)
         tile = next_tile
+    acc = _multiply_step(acc, tile, x_ptr, tokens, token_ok, k_last, k_end, n_words, WORDS)
 
     offsets = tokens[None, :] * n_rows + rows[:, None]
     _store_or_reduce(acc, y_ptr, workspace_ptr, arrivals_ptr, row_block, offsets, row_ok[:, None] & token_ok[None, :])
@@ -155,8 +162,9 @@ def _spmm_kernel(x_ptr, values_ptr, mask_ptr, y_ptr, workspace_ptr, arrivals_ptr
 def candidate_configs(n_rows: int, n_words: int, n_tokens: int):
     """(BLOCK_OUT, BLOCK_TOKENS, WORDS, warps, split) worth timing for a shape.
 
-    One thread per row of the tile (BLOCK_OUT = 32 x warps); decode splits K until ~2-4 programs
-    per SM exist (each walks its words one after another), prefill tiles the tokens instead.
+    One thread per row of the tile (BLOCK_OUT = 32 x warps); decode splits K until 2, 4 or 8
+    programs per SM exist (each walks its words one after another), at least 2 steps each;
+    prefill tiles the tokens instead.
     """
     if INTERPRETING:  # the interpreter is slow: one small config that still splits K
         return [(32, MMA_TOKENS, 1, 1, 1 if n_tokens > MMA_TOKENS else max(1, min(2, n_words)))]
