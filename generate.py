@@ -215,6 +215,9 @@ def generate(model: Transformer, prompts: Sequence[Tensor], max_new_tokens: int,
         prefill_s = time.perf_counter() - start
 
         input_pos = torch.tensor([prompt_width], dtype=torch.long, device=device)
+        # The step's input is a [B, 1] buffer of its own, not a slice of `out`: a slice's stride
+        # depends on max_new_tokens, and the compiled step would recompile for every new length.
+        token = out[:, :1].clone()
         clock = StepClock(on_cuda)
         start = time.perf_counter()
         steps = 1
@@ -222,7 +225,8 @@ def generate(model: Transformer, prompts: Sequence[Tensor], max_new_tokens: int,
             for step in _progress(range(1, max_new_tokens), progress):
                 if eos is not None and step % EOS_CHECK_INTERVAL == 0 and _every_row_ended(out[:, :step], eos):
                     break
-                out[:, step] = decode_fn(model, out[:, step - 1:step], input_pos, noise(), **sampling)
+                out[:, step] = decode_fn(model, token, input_pos, noise(), **sampling)
+                token.copy_(out[:, step:step + 1])
                 input_pos += 1
                 steps += 1
                 clock.mark()

@@ -76,7 +76,8 @@ def time_decode(model, batch_size: int, args, label: str = "run") -> dict:
     if len(measured) < 50:
         raise ValueError(f"only {len(measured)} measured steps; raise --new_tokens above {args.warmup_steps + 51}")
     if args.profile:
-        profile_steps(lambda: generate.generate(model, prompts, 64, **sampling), 63,
+        # the same new_tokens as the timed calls: another length would recompile inside the trace
+        profile_steps(lambda: generate.generate(model, prompts, args.new_tokens, **sampling), args.new_tokens - 1,
                       args.out / f"profile_{label.replace(':', '-')}.txt")
     return dict(median_step_s=statistics.median(measured), measured_steps=len(measured),
                 first_call_s=round(warmup_s, 1))
@@ -252,7 +253,7 @@ def parse_args(argv=None):
                    help="GPT-Fast's first compile alone took over 147 s on a fresh H200 machine")
     p.add_argument("--deadline_s", type=float, default=float("inf"), help="start nothing new after this long")
     p.add_argument("--profile", action="store_true",
-                   help="after timing, profile 63 decode steps: kernel time per step into OUT/profile_*.txt")
+                   help="after timing, profile one more call: kernel time per decode step into OUT/profile_*.txt")
     p.add_argument("--out", type=Path, default=Path("runs/bench_decode"))
     return p.parse_args(argv)
 
