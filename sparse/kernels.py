@@ -195,19 +195,26 @@ def _spmv_kernel(x_ptr, values_ptr, mask_ptr, y_ptr, workspace_ptr, arrivals_ptr
     lanes = tl.arange(0, BATCH)
     out_offsets = lanes[None, :] * n_rows + rows[:, None]
     out_ok = row_ok[:, None] & (lanes < BATCH)[None, :]
-    if tl.num_programs(1) == 1:
-        tl.store(y_ptr + out_offsets, acc.to(y_ptr.dtype.element_ty), mask=out_ok)
+    _store_or_reduce(acc, y_ptr, workspace_ptr, arrivals_ptr, row_block, out_offsets, out_ok, tl.num_programs(1))
+
+
+@triton.jit
+def _store_or_reduce(acc, y_ptr, workspace_ptr, arrivals_ptr, counter, offsets, ok, n_splits):
+    """Store acc, or with K split over n_splits programs add it to the fp32 workspace; the last
+    program of `counter` (its row block) to arrive stores the sum and leaves workspace and
+    counter zeroed. Shared by the SpMV and the tensor-core SpMM (sparse/spmm.py)."""
+    if n_splits == 1:
+        tl.store(y_ptr + offsets, acc.to(y_ptr.dtype.element_ty), mask=ok)
     else:
-        tl.atomic_add(workspace_ptr + out_offsets, acc, mask=out_ok, sem="relaxed")
+        tl.atomic_add(workspace_ptr + offsets, acc, mask=ok, sem="relaxed")
         tl.debug_barrier()  # every thread's partial sums are in before the arrival is counted
-        arrived = tl.atomic_add(arrivals_ptr + row_block, 1, sem="acq_rel")
-        if arrived == tl.num_programs(1) - 1:
+        arrived = tl.atomic_add(arrivals_ptr + counter, 1, sem="acq_rel")
+        if arrived == n_splits - 1:
             # Swap the sums out for zeros at L2 (as int32 bits: the interpreter has no float xchg).
-            sum_bits = tl.atomic_xchg((workspace_ptr + out_offsets).to(tl.pointer_type(tl.int32), bitcast=True),
-                                      tl.zeros_like(acc).to(tl.int32), mask=out_ok)
-            total = sum_bits.to(tl.float32, bitcast=True)
-            tl.store(y_ptr + out_offsets, total.to(y_ptr.dtype.element_ty), mask=out_ok)
-            tl.atomic_xchg(arrivals_ptr + row_block, 0)
+            sum_bits = tl.atomic_xchg((workspace_ptr + offsets).to(tl.pointer_type(tl.int32), bitcast=True),
+                                      tl.zeros_like(acc).to(tl.int32), mask=ok)
+            tl.store(y_ptr + offsets, sum_bits.to(tl.float32, bitcast=True).to(y_ptr.dtype.element_ty), mask=ok)
+            tl.atomic_xchg(arrivals_ptr + counter, 0)
 
 
 @triton.jit

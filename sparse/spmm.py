@@ -36,7 +36,7 @@ from triton.language.extra.cuda import libdevice
 from triton.testing import do_bench
 
 from sparse import kernels
-from sparse.kernels import INTERPRETING, _popcount
+from sparse.kernels import INTERPRETING, _popcount, _store_or_reduce
 
 MMA_TOKENS = 16  # the smallest token tile: the MMA's N
 
@@ -106,24 +106,6 @@ def _multiply_step(acc, tile, x_ptr, tokens, token_ok, k, k_end, n_words, WORDS:
 
 
 @triton.jit
-def _store_or_reduce(acc, y_ptr, workspace_ptr, arrivals_ptr, counter, offsets, ok):
-    """Store acc, or with K split over programs (grid axis 2) add it to the fp32 workspace; the
-    last program of `counter` to arrive stores the sum and leaves workspace and counter zeroed."""
-    if tl.num_programs(2) == 1:
-        tl.store(y_ptr + offsets, acc.to(y_ptr.dtype.element_ty), mask=ok)
-    else:
-        tl.atomic_add(workspace_ptr + offsets, acc, mask=ok, sem="relaxed")
-        tl.debug_barrier()  # every thread's partial sums are in before the arrival is counted
-        arrived = tl.atomic_add(arrivals_ptr + counter, 1, sem="acq_rel")
-        if arrived == tl.num_programs(2) - 1:
-            # Swap the sums out for zeros at L2 (as int32 bits: the interpreter has no float xchg).
-            sum_bits = tl.atomic_xchg((workspace_ptr + offsets).to(tl.pointer_type(tl.int32), bitcast=True),
-                                      tl.zeros_like(acc).to(tl.int32), mask=ok)
-            tl.store(y_ptr + offsets, sum_bits.to(tl.float32, bitcast=True).to(y_ptr.dtype.element_ty), mask=ok)
-            tl.atomic_xchg(arrivals_ptr + counter, 0)
-
-
-@triton.jit
 def _spmm_kernel(x_ptr, values_ptr, mask_ptr, y_ptr, workspace_ptr, arrivals_ptr,
                  n_rows, n_tokens, n_words, words_per_split,
                  NNZ: tl.constexpr, BLOCK_OUT: tl.constexpr, BLOCK_TOKENS: tl.constexpr, WORDS: tl.constexpr,
@@ -153,7 +135,8 @@ def _spmm_kernel(x_ptr, values_ptr, mask_ptr, y_ptr, workspace_ptr, arrivals_ptr
     acc = _multiply_step(acc, tile, x_ptr, tokens, token_ok, k_last, k_end, n_words, WORDS)
 
     offsets = tokens[None, :] * n_rows + rows[:, None]
-    _store_or_reduce(acc, y_ptr, workspace_ptr, arrivals_ptr, row_block, offsets, row_ok[:, None] & token_ok[None, :])
+    _store_or_reduce(acc, y_ptr, workspace_ptr, arrivals_ptr, row_block, offsets, row_ok[:, None] & token_ok[None, :],
+                     tl.num_programs(2))
 
 
 # ---------------------------------------------------------------- launcher
