@@ -15,7 +15,8 @@ The kernel does not depend on the pattern at 16 kept bits per word, so the table
 torch's format can also run); `--patterns` times others. Correctness is checked by the GPU tests.
 
     python scripts/bench_kernel.py --out-md docs/kernel_table.md --out-json runs/bench_kernel.json
-    python scripts/bench_kernel.py --sweep   # config sweep on four shapes (what the autotuner picks from)
+    python scripts/bench_kernel.py --sweep   # config sweep on a few shapes (what the autotuner picks from)
+    python scripts/bench_kernel.py --probe   # the fixed cost of one batch-1 call
 """
 import argparse
 import json
@@ -174,6 +175,21 @@ def sweep(shapes=SWEEP_SHAPES, batches=(1, 4, 16)) -> list:
     return rows
 
 
+def probe() -> list:
+    """The fixed cost of one SpMV call at batch 1, 4096 rows: a 1-word matrix (launch + first loads
+    + store), 4-word ones walked in 1, 2 or 4 programs, and the full 4096x4096 from DRAM."""
+    rows = []
+    x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+    for n_in, configs in [(32, [(1, 4, 1, 1), (2, 4, 1, 1)]), (128, [(2, 4, 1, 1), (2, 4, 2, 1), (2, 4, 4, 1)]),
+                          (4096, [(2, 4, 32, 1), (2, 4, 16, 1), (1, 4, 32, 1), (4, 4, 8, 1)])]:
+        copies = [pack(random_weight(4096, n_in), "2:4") for _ in range(10 if n_in == 4096 else 4)]  # 10 x 19 MB miss L2
+        for config in configs:
+            us = time_per_call([lambda v=v, m=m: kernels.spmv(x[:, :n_in], v, m, config) for v, m in copies])
+            rows.append(dict(out=4096, inp=n_in, config=config, us=us))
+            print(f"probe 4096x{n_in} config {config}: {us:.2f} us", flush=True)
+    return rows
+
+
 def markdown_table(rows: list) -> str:
     peak_gbps = max(r["dense_gbps"] for r in rows)
     lines = [f"Floor = packed bytes (+ x, y) at {peak_gbps / 1e3:.2f} TB/s, the fastest cuBLAS read of this run. "
@@ -201,6 +217,7 @@ def main():
     p.add_argument("--sweep-shapes", default=",".join(f"{o}x{i}" for o, i in SWEEP_SHAPES),
                    help="OUTxIN,... for --sweep")
     p.add_argument("--sweep-batches", default="1,4,16", help="batch sizes for --sweep")
+    p.add_argument("--probe", action="store_true", help="fixed cost of one batch-1 call (small matrices)")
     p.add_argument("--out-md", type=Path)
     p.add_argument("--out-json", type=Path)
     args = p.parse_args()
@@ -208,6 +225,11 @@ def main():
         sys.exit("bench_kernel.py needs a CUDA GPU")
     torch.manual_seed(0)
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}", flush=True)
+    if args.probe:
+        rows = probe()
+        if args.out_json:
+            args.out_json.write_text(json.dumps(rows, indent=1))
+        return
     if args.sweep:
         shapes = [tuple(int(n) for n in shape.split("x")) for shape in args.sweep_shapes.split(",")]
         rows = sweep(shapes, [int(b) for b in args.sweep_batches.split(",")])

@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# One device call that runs the named GPU jobs, spread over every visible GPU (one job per GPU at
+# a time, each with its own time limit), and packs everything they wrote into ONE file,
+# $OUT/results.tgz: the device tool brings back at most 8 files, and on 2026-11-29 a run lost its
+# profiles to that limit. A summary of each job is printed last.
+#
+#   bash scripts/gpu_session.sh gpu_tests kernel_table decode_b1 decode_batches      # on nvidia-h200-x2: two at a time
+#   DEADLINE_S=540 bash scripts/gpu_session.sh decode_b1 prune_8b
+#
+# Jobs (name: what, rough minutes on an idle H200 incl. compiles):
+#   gpu_tests       pytest -m gpu over every module with GPU tests (~3; the SpMV autotuner compiles per shape)
+#   kernel_table    bench_kernel.py: the issue-3 table, 16 shapes x batch 1/4/8/16/2048 (~4)
+#   kernel_sweep    bench_kernel.py --sweep on the Llama-3.1-8B shapes at batch 1 and 4 (~2)
+#   kernel_probe    bench_kernel.py --probe: the fixed cost of one batch-1 call (~1)
+#   spmm            gpu_spmm_check.sh bench: tensor-core SpMM vs SpMV vs cuBLAS (~3)
+#   decode_b1       Llama-3.1-8B dense + GPT-Fast (needs .gptfast carried) + 2:4..16:32, --profile (~7)
+#   decode_batches  Llama-3.1-8B dense and 2:4 at batch 4 and 8 (~8)
+#   decode_qwen3    Qwen3-8B and -14B, dense and 2:4, batch 1 (~9); Qwen3-32B is a job of its own:
+#   decode_qwen3_32b
+#   prune_8b        bench_prune.py: SparseGPT 2:4, 262,144 decode tokens on Llama-3.1-8B (~5)
+#
+# Lessons this encodes (2026-11-29): never `cmd | tail` (inductor's compile workers keep the pipe
+# open past a timeout, and the output is lost); stdin from /dev/null; a hard per-job timeout
+# under the call's limit; everything under $OUT in one tarball.
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-runs/gpu_session}
+DEADLINE_S=${DEADLINE_S:-570}  # keep under the device call's own limit (600 s at most)
+mkdir -p "$OUT/jobs"
+export PYTHONUNBUFFERED=1 TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-8}
+
+declare -A JOBS=(
+  [gpu_tests]="python3 -m pytest -v -m gpu tests/test_sparse_linear.py tests/test_sparse_spmm.py tests/test_generate.py tests/test_prune_calibration.py tests/test_prune_solvers.py"
+  [kernel_table]="python3 scripts/bench_kernel.py --out-md \$JOB/table.md --out-json \$JOB/bench.json"
+  [kernel_sweep]="python3 scripts/bench_kernel.py --sweep --sweep-shapes 6144x4096,4096x4096,28672x4096,4096x14336 --sweep-batches 1,4 --out-json \$JOB/sweep.json"
+  [kernel_probe]="python3 scripts/bench_kernel.py --probe --out-json \$JOB/probe.json"
+  [spmm]="env OUT=\$JOB bash scripts/gpu_spmm_check.sh bench"
+  [decode_b1]="env GPTFAST_PROFILE=\$JOB/profile_gptfast.txt python3 scripts/bench_decode.py --models Llama-3.1-8B --patterns dense,2:4,4:8,8:16,16:32 --batch_sizes 1 --profile --gptfast .gptfast --gptfast_timeout_s 240 --out \$JOB"
+  [decode_batches]="python3 scripts/bench_decode.py --models Llama-3.1-8B --patterns dense,2:4 --batch_sizes 4,8 --out \$JOB"
+  [decode_qwen3]="python3 scripts/bench_decode.py --models Qwen3-8B,Qwen3-14B --patterns dense,2:4 --batch_sizes 1 --out \$JOB"
+  [decode_qwen3_32b]="python3 scripts/bench_decode.py --models Qwen3-32B --patterns dense,2:4 --batch_sizes 1 --out \$JOB"
+  [prune_8b]="python3 scripts/bench_prune.py --model Llama-3.1-8B --tokens 262144 --batch_size 128 --max_new_tokens 512 --prompt_lengths 64:512 --no_write --json \$JOB/bench_prune.json"
+)
+
+jobs=("$@")
+[[ ${#jobs[@]} -gt 0 ]] || { echo "usage: $0 JOB... (jobs: ${!JOBS[*]})"; exit 2; }
+for job in "${jobs[@]}"; do
+  [[ -n "${JOBS[$job]:-}" ]] || { echo "unknown job '$job' (jobs: ${!JOBS[*]})"; exit 2; }
+done
+
+{ date -u; nvidia-smi --query-gpu=index,name,clocks.sm,clocks.mem,driver_version --format=csv,noheader
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+  git log -1 --format='commit %h %s' 2>/dev/null; } > "$OUT/environment.txt" 2>&1
+cat "$OUT/environment.txt"
+gpus=$(nvidia-smi --query-gpu=index --format=csv,noheader | wc -l)
+start=$SECONDS
+
+run_queue() {  # GPU $1 runs jobs $1, $1 + gpus, ... one after another until the deadline
+  local gpu=$1 i job left
+  for ((i = gpu; i < ${#jobs[@]}; i += gpus)); do
+    job=${jobs[$i]}
+    left=$((DEADLINE_S - (SECONDS - start)))
+    if ((left < 20)); then echo "skipped: past the deadline" > "$OUT/jobs/$job.log"; continue; fi
+    mkdir -p "$OUT/jobs/$job"
+    echo "[gpu $gpu] $job (limit ${left}s): ${JOBS[$job]}" > "$OUT/jobs/$job.log"
+    JOB="$OUT/jobs/$job" CUDA_VISIBLE_DEVICES=$gpu timeout -k 5 "$left" \
+      bash -c "${JOBS[$job]}" >> "$OUT/jobs/$job.log" 2>&1 < /dev/null
+    echo "[gpu $gpu] $job: exit $? after $((SECONDS - start))s" >> "$OUT/jobs/$job.log"
+  done
+}
+for ((gpu = 0; gpu < gpus; gpu++)); do run_queue "$gpu" & done
+wait
+
+tar czf "$OUT/results.tgz" -C "$OUT" environment.txt jobs
+for job in "${jobs[@]}"; do
+  echo "=== $job"
+  grep -hE "passed|failed|error|Error|tok_s|exit [0-9]+ after|skipped: past" "$OUT/jobs/$job.log" | cut -c1-300 | tail -8
+  for table in "$OUT/jobs/$job"/*.md; do [[ -f $table ]] && grep "^|" "$table" | cut -c1-220; done
+done
