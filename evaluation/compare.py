@@ -40,6 +40,7 @@ from prune.calibration import CalibrationError
 
 CALIBRATIONS = ("text", "decode")  # the C4 baseline, the paper's method
 CALIB_LABEL = {"text": "C4", "decode": "decode-aware"}
+SPREAD_NOTE = {True: "", False: ", within seed spread", None: ", one seed (no spread)"}
 # (metric key, label, True if higher is better)
 METRICS = [("kl", "KL(dense||pruned)", False), ("top1_agreement", "top-1 agree", True),
            ("tokens_to_divergence_mean", "tokens to diverge", True), ("wikitext2_ppl", "WikiText-2 PPL", False)]
@@ -199,7 +200,7 @@ def markdown_table(table: dict, dense: dict) -> str:
 
 def verdicts(table: dict) -> list[dict]:
     """Per backend x pattern x metric: does decode-aware beat C4, by how much, and is the gap larger
-    than the seeds' spread (|difference| > std_C4 + std_decode)?"""
+    than the seeds' spread (|difference| > std_C4 + std_decode; None when a side has one seed, so no spread)?"""
     rows = []
     for method, pattern in sorted({(k[0], k[1]) for k in table}):
         c4, dec = table.get((method, pattern, "text")), table.get((method, pattern, "decode"))
@@ -207,11 +208,11 @@ def verdicts(table: dict) -> list[dict]:
             continue
         for key, label, higher_better in metric_columns(table):
             if key in c4 and key in dec:
-                (m_c4, s_c4, _), (m_dec, s_dec, _) = c4[key], dec[key]
+                (m_c4, s_c4, n_c4), (m_dec, s_dec, n_dec) = c4[key], dec[key]
                 better = m_dec > m_c4 if higher_better else m_dec < m_c4
                 rows.append({"method": method, "pattern": pattern, "metric": label, "c4": m_c4, "decode": m_dec,
                              "decode_better": better, "tie": m_dec == m_c4,
-                             "beyond_spread": abs(m_dec - m_c4) > s_c4 + s_dec})
+                             "beyond_spread": abs(m_dec - m_c4) > s_c4 + s_dec if min(n_c4, n_dec) > 1 else None})
     return rows
 
 
@@ -296,7 +297,7 @@ def main():
     for v in results["verdicts"]:
         outcome = "ties" if v["tie"] else "beats" if v["decode_better"] else "loses to"
         print(f"{v['method']:>9} {v['pattern']:>4} {v['metric']:>18}: decode-aware {outcome} C4 "
-              f"({v['decode']:.4g} vs {v['c4']:.4g}){'' if v['beyond_spread'] else ', within seed spread'}")
+              f"({v['decode']:.4g} vs {v['c4']:.4g}){SPREAD_NOTE[v['beyond_spread']]}")
 
 
 def run_grid(args) -> dict:

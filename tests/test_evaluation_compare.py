@@ -36,6 +36,8 @@ def test_verdicts_say_which_calibration_wins_per_metric():
     assert by_metric["KL(dense||pruned)"]["decode_better"] and by_metric["KL(dense||pruned)"]["beyond_spread"]
     assert not by_metric["WikiText-2 PPL"]["decode_better"]  # higher perplexity loses
     assert not by_metric["humaneval_pass@1"]["decode_better"] and by_metric["humaneval_pass@1"]["tie"]
+    one_seed = verdicts(aggregate([run for run in fake_runs() if run["seed"] == 0]))
+    assert all(v["beyond_spread"] is None for v in one_seed)  # no spread to compare with
 
 
 def test_table_and_plot(tmp_path):
