@@ -4,35 +4,19 @@ The interpreter must be switched on before Triton decorates the kernels, and oth
 import `sparse` first; so the checks run in a fresh Python process (the first test), where this
 module is imported with TRITON_INTERPRET=1 already set.
 """
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from sparse import kernels
-from sparse.format import pack, unpack
+from sparse.format import unpack
+from tests.sparse_kernel_testing import interpreted, random_packed, relative_error, rerun_under_interpreter
 
 PATTERNS = ["2:4", "4:8", "8:16", "16:32", "1:4"]
-interpreted = pytest.mark.skipif(not kernels.INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess")
 
 
 @pytest.mark.skipif(kernels.INTERPRETING, reason="this is the subprocess")
 def test_kernels_under_the_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                            env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-
-
-def relative_error(y: torch.Tensor, reference: torch.Tensor) -> float:
-    return float((y.double() - reference).norm() / reference.norm())
-
-
-def random_packed(out_features: int, in_features: int, pattern: str, seed: int):
-    weight = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(seed))
-    return pack(weight, pattern)
+    rerun_under_interpreter(__file__)
 
 
 # Every pattern at batch 1 and 3 (padded to 4 lanes); wider batches on two patterns (the

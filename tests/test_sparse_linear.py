@@ -8,12 +8,9 @@ import torch.nn as nn
 from model import ModelArgs, Transformer
 from sparse import SparseLinear, pack, sparse_matmul, swap_linears_for_state_dict, swap_to_sparse, unpack
 from sparse.format import keep_largest, packed_shapes
+from tests.sparse_kernel_testing import relative_error
 
 TINY = ModelArgs(n_layer=2, n_head=4, n_local_heads=2, dim=64, intermediate_size=96, vocab_size=128, block_size=64)
-
-
-def relative_error(y: torch.Tensor, reference: torch.Tensor) -> float:
-    return float((y.double() - reference).norm() / reference.norm())
 
 
 @pytest.mark.parametrize("pattern", ["2:4", "16:32"])

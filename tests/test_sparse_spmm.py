@@ -5,35 +5,19 @@ with CUDA graphs.
 As in test_sparse_kernels.py, the interpreter must be on before Triton decorates the kernels, so
 the CPU checks run in a fresh Python process started by the first test.
 """
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from sparse import kernels, spmm
-from sparse.format import pack, unpack
+from sparse.format import unpack
+from tests.sparse_kernel_testing import interpreted, random_packed, relative_error, rerun_under_interpreter
 
-interpreted = pytest.mark.skipif(not kernels.INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess")
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 @pytest.mark.skipif(kernels.INTERPRETING, reason="this is the subprocess")
 def test_spmm_under_the_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                            env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-
-
-def relative_error(y: torch.Tensor, reference: torch.Tensor) -> float:
-    return float((y.double() - reference).norm() / reference.norm())
-
-
-def random_packed(out_features: int, in_features: int, pattern: str, seed: int, device="cpu", dtype=torch.float32):
-    weight = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(seed))
-    return pack(weight.to(device=device, dtype=dtype), pattern)
+    rerun_under_interpreter(__file__)
 
 
 # 40 rows: not a multiple of the 32-row tile; 96 columns = 3 words: a multiple of 32 but not of

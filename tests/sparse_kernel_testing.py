@@ -1,0 +1,37 @@
+"""Helpers shared by the sparse kernel tests (test_sparse_kernels.py, test_sparse_spmm.py,
+test_sparse_linear.py).
+
+Triton reads TRITON_INTERPRET when it decorates a kernel, i.e. when sparse/ is first imported,
+and other test modules import sparse/ first; so a kernel test module re-runs itself in a fresh
+Python process with the interpreter on (`rerun_under_interpreter`), and its interpreter-only
+tests are marked `interpreted`.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from sparse import kernels
+from sparse.format import pack
+
+interpreted = pytest.mark.skipif(not kernels.INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess")
+
+
+def rerun_under_interpreter(test_file: str):
+    """Run the pytest module `test_file` in a subprocess with TRITON_INTERPRET=1; fail with its output."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file],
+                            env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+
+
+def relative_error(y: torch.Tensor, reference: torch.Tensor) -> float:
+    return float((y.double() - reference).norm() / reference.norm())
+
+
+def random_packed(out_features: int, in_features: int, pattern: str, seed: int, device="cpu", dtype=torch.float32):
+    """A random weight packed to `pattern` (its N largest |w| per M-group kept)."""
+    weight = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(seed))
+    return pack(weight.to(device=device, dtype=dtype), pattern)
