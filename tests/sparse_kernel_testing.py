@@ -9,6 +9,7 @@ tests are marked `interpreted`.
 import os
 import subprocess
 import sys
+import zlib
 
 import pytest
 import torch
@@ -35,3 +36,9 @@ def random_packed(out_features: int, in_features: int, pattern: str, seed: int, 
     """A random weight packed to `pattern` (its N largest |w| per M-group kept)."""
     weight = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(seed))
     return pack(weight.to(device=device, dtype=dtype), pattern)
+
+
+def case_seed(*parts) -> int:
+    """A seed fixed by the test case (Python's str hash changes every process, so a failure seeded
+    with it could not be reproduced)."""
+    return zlib.crc32(repr(parts).encode()) % 1000
