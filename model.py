@@ -214,16 +214,8 @@ class Attention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
         if self.kv_cache is not None:  # None: a teacher-forced pass over whole sequences (prune/ replays blocks this way)
             k, v = self.kv_cache.update(input_pos, k, v)
-        # GQA without copying K/V: the `group` query heads that share a KV head (heads
-        # kv * group ... kv * group + group - 1) become group * T query rows of that KV head. SDPA's
-        # own enable_gqa path repeats K and V per query head instead, which at batch 128 over a
-        # 1024-slot cache writes and reads ~4x the cache every step.
-        group = self.n_head // self.n_local_heads
-        q = q.reshape(B, self.n_local_heads, group * T, self.head_dim)  # row g * T + t: head kv * group + g
-        if mask is not None and group > 1:
-            mask = torch.cat([mask] * group, dim=-2)  # [..., T, S] -> [..., group * T, S] in the same row order
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return self.wo(y.reshape(B, self.n_head, T, self.head_dim).transpose(1, 2).reshape(B, T, -1))
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_head != self.n_local_heads)
+        return self.wo(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
 
 
 class FeedForward(nn.Module):
