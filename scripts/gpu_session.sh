@@ -30,7 +30,7 @@ mkdir -p "$OUT/jobs"
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-8}
 
 declare -A JOBS=(
-  [gpu_tests]="python3 -m pytest -v -m gpu tests/test_sparse_kernels.py tests/test_sparse_linear.py tests/test_sparse_spmm.py tests/test_generate.py tests/test_prune_calibration.py tests/test_prune_solvers.py"
+  [gpu_tests]="python3 -m pytest -v -m gpu tests/test_sparse_linear.py tests/test_sparse_spmm.py tests/test_generate.py tests/test_prune_calibration.py tests/test_prune_solvers.py"
   [kernel_table]="python3 scripts/bench_kernel.py --out-md \$JOB/table.md --out-json \$JOB/bench.json"
   [kernel_sweep]="python3 scripts/bench_kernel.py --sweep --sweep-shapes 6144x4096,4096x4096,28672x4096,4096x14336 --sweep-batches 1,4 --out-json \$JOB/sweep.json"
   [kernel_probe]="python3 scripts/bench_kernel.py --probe --out-json \$JOB/probe.json"

@@ -53,21 +53,15 @@ def kernels_module(revision: str = None):
 
 
 def compile_spmv(kernels, batch: int, rows_per_thread: int, warps: int, words_per_step: int, one_step: bool,
-                 nnz_per_word: int = 16, out_features: int = 4096) -> dict:
-    """Compile the SpMV's GPU path (INTERPRETER_SAFE=False: the inline PTX included) for sm_90a.
-
-    The signature follows the revision's parameters: older ones had one word per step, a runtime
-    n_rows and x pair-major as int64 (with `x_pair_stride`)."""
-    parameters = {p.name: p for p in kernels._spmv_kernel.params}
-    pair_major = "x_pair_stride" in parameters
-    signature = {"x_ptr": "*bf16" if batch == 1 else ("*i64" if pair_major else "*fp32"), "values_ptr": "*bf16",
-                 "mask_ptr": "*i32", "y_ptr": "*bf16", "workspace_ptr": "*fp32", "arrivals_ptr": "*i32",
-                 "n_rows": "i32", "n_words": "i32", "words_per_split": "i32", "x_pair_stride": "i32"}
-    signature = {name: signature[name] for name in signature if name in parameters}
-    constants = dict(n_rows=out_features, NNZ_PER_WORD=nnz_per_word, BATCH=batch,
-                     BLOCK_ROWS=rows_per_thread * 32 * warps, INTERPRETER_SAFE=False,
-                     WORDS_PER_STEP=words_per_step, ONE_STEP=one_step)
-    constants = {name: value for name, value in constants.items() if parameters.get(name) and parameters[name].is_constexpr}
+                 nnz_per_word: int = 16) -> dict:
+    signature = {"x_ptr": "*bf16" if batch == 1 else "*i64", "values_ptr": "*bf16", "mask_ptr": "*i32",
+                 "y_ptr": "*bf16", "workspace_ptr": "*fp32", "arrivals_ptr": "*i32", "n_rows": "i32",
+                 "n_words": "i32", "words_per_split": "i32", "x_pair_stride": "i32"}
+    constants = dict(NNZ_PER_WORD=nnz_per_word, BATCH=batch, BLOCK_ROWS=rows_per_thread * 32 * warps,
+                     INTERPRETER_SAFE=False)
+    parameters = kernels._spmv_kernel.arg_names
+    if "WORDS_PER_STEP" in parameters:  # older revisions had one word per step, always
+        constants.update(WORDS_PER_STEP=words_per_step, ONE_STEP=one_step)
     signature.update({name: "constexpr" for name in constants})
     compiled = triton.compile(ASTSource(fn=kernels._spmv_kernel, signature=signature, constexprs=constants),
                               target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
@@ -91,7 +85,6 @@ def main():
     p.add_argument("--batch", type=int, nargs="*", default=[1, 4, 16])
     p.add_argument("--rows_per_thread", type=int, default=1)
     p.add_argument("--warps", type=int, default=4)
-    p.add_argument("--out_features", type=int, default=4096, help="n_rows, where the kernel takes it as a constexpr")
     p.add_argument("--words_per_step", type=int, default=1)
     p.add_argument("--one_step", action="store_true", help="one step per program (no prefetch of a next step)")
     p.add_argument("--revision", help="compile sparse/kernels.py as of this git revision instead")
@@ -101,8 +94,7 @@ def main():
     print(f"{'batch':>5} {'regs':>5} {'spill B':>7} {'instr':>6} {'FFMA':>5} {'FLO':>4} {'LDG':>4} {'LDS/STS':>7}"
           f" {'loop':>5} {'per kept weight':>16}")
     for batch in args.batch:
-        r = compile_spmv(kernels, batch, args.rows_per_thread, args.warps, args.words_per_step, args.one_step,
-                         out_features=args.out_features)
+        r = compile_spmv(kernels, batch, args.rows_per_thread, args.warps, args.words_per_step, args.one_step)
         print(f"{batch:5d} {r['registers']:5d} {r['spill_bytes']:7d} {r['instructions']:6d} {r['ffma']:5d} "
               f"{r['flo']:4d} {r['loads']:4d} {r['shared']:7d} {r['loop'] or '-':>5} "
               f"{(r['loop'] or r['instructions']) / r['kept_weights']:16.1f}")

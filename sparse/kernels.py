@@ -58,89 +58,55 @@ def _pop_next_column(word, INTERPRETER_SAFE: tl.constexpr):
 
 
 @triton.jit
-def _concat_lanes(low, high):
-    """[rows, L] and [rows, L] -> [rows, 2L]: low's lanes first, then high's.
+def _gather_lanes(pairs_ptr, pair_stride, LANES: tl.constexpr):
+    """x[column, 0:LANES] for every row, as float32 [rows, LANES] held in each thread's registers.
 
-    join gives [rows, L, 2] with [r, l, 0] = low[r, l] and [r, l, 1] = high[r, l]; after the
-    permute it is [rows, 2, L], whose row-major reshape puts element [r, h, l] at lane h*L + l.
-    (Reshaping the join directly would interleave: low0, high0, low1, high1, ...) join, permute
-    and reshape only relabel each thread's registers; a 2-D gather of x would make Triton pick a
-    layout unlike the accumulator's and shuffle through shared memory instead.
-    """
-    return tl.reshape(tl.permute(tl.join(low, high), (0, 2, 1)), (low.shape[0], 2 * low.shape[1]))
-
-
-@triton.jit
-def _load_lanes(ptrs, LANES: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
-    """x[column, 0:LANES] as float32 [rows, LANES] in each thread's registers; `ptrs` points at
-    lane 0 of each row's column. x is float32 (in, LANES), lane-minor, 16-byte aligned.
-
-    Fast path: one vector load per 2 or 4 lanes (`ld.global.ca.v4.f32`: one LDG.128 per four
-    lanes). PTX fills the braced registers {$0, $1, $2, $3} from bytes 0, 4, 8, 12 of the address,
-    and inline_asm_elementwise returns its outputs in operand order, so (a, b, c, d) are lanes
-    0, 1, 2, 3 of the group and are joined in exactly that order: join(a, b) = [a, b], then
-    _concat_lanes([a, b], [c, d]) = [a, b, c, d]. Safe path (the interpreter runs no inline asm):
-    the same four lanes as four scalar loads at ptrs + 0..3, joined by the same code, so the
-    interpreter tests check the lane order of everything but the asm's operand order itself.
-    (Plain tl.load of a [rows, LANES] pointer tile was tried: Triton either converts layouts
-    through shared memory or, for join-built pointer tiles, issues scalar loads.)
+    x is laid out pair-major, (LANES/2, in) int64 with two float32 lanes per element, so at one
+    step every lane of a warp reads the same 256-byte chunk (2 cache lines) whatever its column.
+    Lanes are put side by side with join/permute/reshape, which only relabel registers; a plain
+    2-D gather makes Triton pick a layout that differs from the rows' and shuffle through shared
+    memory.
     """
     if LANES == 2:
-        if INTERPRETER_SAFE:
-            a = tl.load(ptrs, cache_modifier=".ca")
-            b = tl.load(ptrs + 1, cache_modifier=".ca")
-        else:
-            a, b = tl.inline_asm_elementwise("ld.global.ca.v2.f32 {$0, $1}, [$2];", "=f,=f,l", [ptrs],
-                                             dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
-        lanes = tl.join(a, b)
-    elif LANES == 4:
-        if INTERPRETER_SAFE:
-            a = tl.load(ptrs, cache_modifier=".ca")
-            b = tl.load(ptrs + 1, cache_modifier=".ca")
-            c = tl.load(ptrs + 2, cache_modifier=".ca")
-            d = tl.load(ptrs + 3, cache_modifier=".ca")
-        else:
-            a, b, c, d = tl.inline_asm_elementwise("ld.global.ca.v4.f32 {$0, $1, $2, $3}, [$4];", "=f,=f,=f,=f,l",
-                                                   [ptrs], dtype=(tl.float32, tl.float32, tl.float32, tl.float32),
-                                                   is_pure=True, pack=1)
-        lanes = _concat_lanes(tl.join(a, b), tl.join(c, d))
+        bits = tl.load(pairs_ptr, cache_modifier=".ca")
+        low = bits.to(tl.uint32).to(tl.float32, bitcast=True)
+        high = (bits >> 32).to(tl.uint32).to(tl.float32, bitcast=True)
+        lanes = tl.join(low, high)
     else:
-        lanes = _concat_lanes(_load_lanes(ptrs, LANES // 2, INTERPRETER_SAFE),
-                              _load_lanes(ptrs + LANES // 2, LANES // 2, INTERPRETER_SAFE))
+        low = _gather_lanes(pairs_ptr, pair_stride, LANES // 2)
+        high = _gather_lanes(pairs_ptr + (LANES // 4) * pair_stride, pair_stride, LANES // 2)
+        lanes = tl.reshape(tl.permute(tl.join(low, high), (0, 2, 1)), (low.shape[0], LANES))
     return lanes
 
 
 @triton.jit
-def _load_word_values(ptrs, ok, n_rows, STEPS: tl.constexpr, MASKED: tl.constexpr):
+def _load_word_values(ptrs, row_ok, n_rows, STEPS: tl.constexpr):
     """The STEPS values of one word for every row, as a register tile built by tl.join (first
     half, second half) so `_multiply_word` can take it apart again with tl.split, for free."""
     if STEPS == 1:
-        if MASKED:
-            tile = tl.load(ptrs, mask=ok, other=0.0, cache_modifier=".cg")
-        else:
-            tile = tl.load(ptrs, cache_modifier=".cg")
+        tile = tl.load(ptrs, mask=row_ok, other=0.0, cache_modifier=".cg")
     else:
-        first = _load_word_values(ptrs, ok, n_rows, STEPS // 2, MASKED)
-        second = _load_word_values(ptrs + (STEPS // 2) * n_rows, ok, n_rows, STEPS // 2, MASKED)
+        first = _load_word_values(ptrs, row_ok, n_rows, STEPS // 2)
+        second = _load_word_values(ptrs + (STEPS // 2) * n_rows, row_ok, n_rows, STEPS // 2)
         tile = tl.join(first, second)
     return tile
 
 
 @triton.jit
-def _multiply_word(acc, tile, word, x_chunk, STEPS: tl.constexpr, BATCH: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
-    """acc += value * x[column] over the word's kept columns, lowest first (fixed trip count).
-    x_chunk: x at the word's first column (column stride BATCH elements)."""
+def _multiply_word(acc, tile, word, x_chunk, x_pair_stride, STEPS: tl.constexpr, BATCH: tl.constexpr,
+                   INTERPRETER_SAFE: tl.constexpr):
+    """acc += value * x[column] over the word's kept columns, lowest first (fixed trip count)."""
     if STEPS == 1:
         column, word = _pop_next_column(word, INTERPRETER_SAFE)
         if BATCH == 1:
             x = tl.load((x_chunk + column)[:, None], cache_modifier=".ca").to(tl.float32)
         else:
-            x = _load_lanes(x_chunk + column * BATCH, BATCH, INTERPRETER_SAFE)
+            x = _gather_lanes(x_chunk + column, x_pair_stride, BATCH)
         acc += tile.to(tl.float32)[:, None] * x
     else:
         first, second = tl.split(tile)
-        acc, word = _multiply_word(acc, first, word, x_chunk, STEPS // 2, BATCH, INTERPRETER_SAFE)
-        acc, word = _multiply_word(acc, second, word, x_chunk, STEPS // 2, BATCH, INTERPRETER_SAFE)
+        acc, word = _multiply_word(acc, first, word, x_chunk, x_pair_stride, STEPS // 2, BATCH, INTERPRETER_SAFE)
+        acc, word = _multiply_word(acc, second, word, x_chunk, x_pair_stride, STEPS // 2, BATCH, INTERPRETER_SAFE)
     return acc, word
 
 
@@ -159,62 +125,44 @@ def _load_masks(mask_ptr, k, n_words, rows, row_ok, n_rows, WORDS: tl.constexpr)
 
 
 @triton.jit
-def _load_values(values_ptr, k, n_words, rows, row_ok, n_rows, NNZ_PER_WORD: tl.constexpr, WORDS: tl.constexpr,
-                 MASKED: tl.constexpr):
-    """The values of words k .. k+WORDS-1 of every row, as one register tile.
-
-    MASKED: rows and words past the end read as zero (needed where a step of several words runs
-    past the last word: its scan walks real columns of x). Unmasked, they read the last row or
-    word again instead: an unpredicated load needs no zeroing of its register first (one
-    instruction per kept weight at batch 1), and those products are never stored, or (a
-    prefetch past the program's last word) never multiplied."""
+def _load_values(values_ptr, k, n_words, rows, row_ok, n_rows, NNZ_PER_WORD: tl.constexpr, WORDS: tl.constexpr):
+    """The values of words k .. k+WORDS-1 of every row, as one register tile."""
     if WORDS == 1:
-        if MASKED:
-            ptrs = values_ptr + k * NNZ_PER_WORD * n_rows + rows
-        else:
-            ptrs = values_ptr + tl.minimum(k, n_words - 1) * NNZ_PER_WORD * n_rows + tl.minimum(rows, n_rows - 1)
-        tile = _load_word_values(ptrs, row_ok & (k < n_words), n_rows, NNZ_PER_WORD, MASKED)
+        tile = _load_word_values(values_ptr + k * NNZ_PER_WORD * n_rows + rows, row_ok & (k < n_words), n_rows,
+                                 NNZ_PER_WORD)
     else:
-        tile = tl.join(_load_values(values_ptr, k, n_words, rows, row_ok, n_rows, NNZ_PER_WORD, WORDS // 2, MASKED),
+        tile = tl.join(_load_values(values_ptr, k, n_words, rows, row_ok, n_rows, NNZ_PER_WORD, WORDS // 2),
                        _load_values(values_ptr, k + WORDS // 2, n_words, rows, row_ok, n_rows, NNZ_PER_WORD,
-                                    WORDS // 2, MASKED))
+                                    WORDS // 2))
     return tile
 
 
 @triton.jit
-def _multiply_words(acc, values, masks, x_ptr, k, n_words, NNZ_PER_WORD: tl.constexpr,
+def _multiply_words(acc, values, masks, x_ptr, k, n_words, x_pair_stride, NNZ_PER_WORD: tl.constexpr,
                     WORDS: tl.constexpr, BATCH: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
     """acc += the products of words k .. k+WORDS-1 (tiles from _load_masks / _load_values)."""
     if WORDS == 1:
         word = _prepare_word(masks, INTERPRETER_SAFE)
-        x_chunk = x_ptr + tl.minimum(k, n_words - 1) * (32 * BATCH)  # a word past the end has zero values
-        acc, word = _multiply_word(acc, values, word, x_chunk, NNZ_PER_WORD, BATCH, INTERPRETER_SAFE)
+        x_chunk = x_ptr + tl.minimum(k, n_words - 1) * 32  # a word past the end has zero values
+        acc, word = _multiply_word(acc, values, word, x_chunk, x_pair_stride, NNZ_PER_WORD, BATCH, INTERPRETER_SAFE)
     else:
         first_values, second_values = tl.split(values)
         first_masks, second_masks = tl.split(masks)
-        acc = _multiply_words(acc, first_values, first_masks, x_ptr, k, n_words, NNZ_PER_WORD,
+        acc = _multiply_words(acc, first_values, first_masks, x_ptr, k, n_words, x_pair_stride, NNZ_PER_WORD,
                               WORDS // 2, BATCH, INTERPRETER_SAFE)
-        acc = _multiply_words(acc, second_values, second_masks, x_ptr, k + WORDS // 2, n_words,
+        acc = _multiply_words(acc, second_values, second_masks, x_ptr, k + WORDS // 2, n_words, x_pair_stride,
                               NNZ_PER_WORD, WORDS // 2, BATCH, INTERPRETER_SAFE)
     return acc
 
 
 @triton.jit
 def _spmv_kernel(x_ptr, values_ptr, mask_ptr, y_ptr, workspace_ptr, arrivals_ptr,
-                 n_rows: tl.constexpr, n_words, words_per_split,
+                 n_rows, n_words, words_per_split, x_pair_stride,
                  NNZ_PER_WORD: tl.constexpr, BATCH: tl.constexpr, BLOCK_ROWS: tl.constexpr,
                  WORDS_PER_STEP: tl.constexpr, ONE_STEP: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
     """y[:BATCH, rows] = x @ W[rows].T. x: (in,) in any float dtype if BATCH == 1, else float32
-    (in, BATCH) lane-minor and 16-byte aligned (see `_load_lanes`); BATCH and NNZ_PER_WORD are
-    powers of two; words_per_split is a multiple of WORDS_PER_STEP.
-
-    n_rows (out_features) is a constexpr: the 16 value loads of a word then sit at fixed
-    distances s * n_rows * 2 bytes from the first, which ptxas folds into the loads' immediate
-    offsets instead of one 64-bit address computation each (offline sm_90a, batch 1 word loop:
-    15.8 -> 13.7 SASS instructions per kept weight; 12.8 with the unpredicated value loads of
-    `_load_values`). The price is one compile per distinct out_features (and batch, config),
-    i.e. a few per model.
-    """
+    pairs (BATCH/2, in) viewed as int64; BATCH and NNZ_PER_WORD are powers of two;
+    words_per_split is a multiple of WORDS_PER_STEP."""
     row_block = tl.program_id(0)
     split = tl.program_id(1)
     rows = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
@@ -229,10 +177,9 @@ def _spmv_kernel(x_ptr, values_ptr, mask_ptr, y_ptr, workspace_ptr, arrivals_ptr
     # (twice the registers: each bf16 value takes a 32-bit register); with one step there is
     # nothing to prefetch, and the registers go to more resident programs instead.
     masks = _load_masks(mask_ptr, k_begin, n_words, rows, row_ok, n_rows, WORDS_PER_STEP)
-    values = _load_values(values_ptr, k_begin, n_words, rows, row_ok, n_rows, NNZ_PER_WORD, WORDS_PER_STEP,
-                          WORDS_PER_STEP > 1)
+    values = _load_values(values_ptr, k_begin, n_words, rows, row_ok, n_rows, NNZ_PER_WORD, WORDS_PER_STEP)
     if ONE_STEP:
-        acc = _multiply_words(acc, values, masks, x_ptr, k_begin, n_words, NNZ_PER_WORD,
+        acc = _multiply_words(acc, values, masks, x_ptr, k_begin, n_words, x_pair_stride, NNZ_PER_WORD,
                               WORDS_PER_STEP, BATCH, INTERPRETER_SAFE)
     else:
         for k in range(k_begin, k_end, WORDS_PER_STEP):
@@ -241,8 +188,8 @@ def _spmv_kernel(x_ptr, values_ptr, mask_ptr, y_ptr, workspace_ptr, arrivals_ptr
             prefetch_ok = row_ok & (k + WORDS_PER_STEP < k_end)
             masks = _load_masks(mask_ptr, k + WORDS_PER_STEP, n_words, rows, prefetch_ok, n_rows, WORDS_PER_STEP)
             values = _load_values(values_ptr, k + WORDS_PER_STEP, n_words, rows, prefetch_ok, n_rows, NNZ_PER_WORD,
-                                  WORDS_PER_STEP, WORDS_PER_STEP > 1)
-            acc = _multiply_words(acc, step_values, step_masks, x_ptr, k, n_words, NNZ_PER_WORD,
+                                  WORDS_PER_STEP)
+            acc = _multiply_words(acc, step_values, step_masks, x_ptr, k, n_words, x_pair_stride, NNZ_PER_WORD,
                                   WORDS_PER_STEP, BATCH, INTERPRETER_SAFE)
 
     lanes = tl.arange(0, BATCH)
@@ -402,21 +349,13 @@ def spmv(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, config=None,
     workspace, arrivals = _workspace(x.device, lanes * n_rows, row_blocks)
     y = torch.empty(lanes, n_rows, dtype=x.dtype, device=x.device) if out is None else out
     if batch > 1:
-        # Lane-minor float32 (in, lanes): the lanes of a column are adjacent, so the kernel loads
-        # four of them with one 128-bit load. A fresh allocation is 512-byte aligned and a column
-        # is 4 * lanes bytes (lanes a power of two), so every group of four lanes is 16-byte
-        # aligned. Padding lanes are zeros (their outputs are computed and dropped). This costs one
-        # small cast + transpose copy per call (two when padding): x is at most 16 x in floats,
-        # 0.26 MB at in=4096 against the 19 MB packed 4096x4096 weight the call streams.
-        lane_minor = torch.empty(in_features, lanes, dtype=torch.float32, device=x.device)
-        if batch < lanes:
-            lane_minor[:, batch:].zero_()
-        lane_minor[:, :batch].copy_(x.T)
-        if lane_minor.data_ptr() % 16:
-            raise RuntimeError("spmv: the lane-minor copy of x is not 16-byte aligned")
-        x = lane_minor
+        # Pair-major float32: element (p, c) holds lanes 2p and 2p+1 of column c (one cast+copy launch).
+        padded = x if batch == lanes else torch.nn.functional.pad(x, (0, 0, 0, lanes - batch))
+        pairs = torch.empty(lanes // 2, in_features, 2, dtype=torch.float32, device=x.device)
+        pairs.transpose(1, 2).copy_(padded.view(lanes // 2, 2, in_features))
+        x = pairs.view(torch.int64).view(lanes // 2, in_features)
     _spmv_kernel[(row_blocks, split)](
-        x, values, mask, y, workspace, arrivals, n_rows, n_words, words_per_split,
+        x, values, mask, y, workspace, arrivals, n_rows, n_words, words_per_split, in_features,
         NNZ_PER_WORD=nnz, BATCH=lanes, BLOCK_ROWS=block_rows, WORDS_PER_STEP=words_per_step,
         ONE_STEP=words_per_split == words_per_step, INTERPRETER_SAFE=INTERPRETING, num_warps=warps)
     return y[:batch]

@@ -19,11 +19,9 @@ def test_kernels_under_the_interpreter():
     rerun_under_interpreter(__file__)
 
 
-# Every pattern at batch 1 and 3 (padded to 4 lanes); the other lane counts on one pattern each
-# (the interpreter is slow on wide batches): 2 lanes (one 2-wide load), 4, 5 and 7 (padded to 8:
-# two 4-lane groups, the second part padding), 8 and 16.
-CASES = [(p, b) for p in PATTERNS for b in (1, 3)] + [("2:4", 16), ("16:32", 8), ("4:8", 4), ("1:4", 2),
-                                                     ("8:16", 5), ("2:4", 7)]
+# Every pattern at batch 1 and 3 (padded to 4 lanes); wider batches on two patterns (the
+# interpreter is slow on them).
+CASES = [(p, b) for p in PATTERNS for b in (1, 3)] + [("2:4", 16), ("16:32", 8), ("4:8", 4)]
 
 
 @interpreted
@@ -74,32 +72,3 @@ def test_sparse_linear_dispatch_under_interpreter():
     for rows in [1, 5, 17]:  # spmv, small batch, prefill (dense expansion + F.linear)
         x = torch.randn(1, rows, 64)
         assert relative_error(layer(x), x.double() @ dense.T) < 1e-6
-
-
-# ---------------------------------------------------------------- GPU
-
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or kernels.INTERPRETING,
-                                reason="needs a CUDA GPU (and the compiled kernels, not the interpreter)")
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("out_features,in_features,pattern", [(6144, 4096, "2:4"), (1000, 14336, "16:32")])
-def test_gpu_spmv_lanes_against_float64(out_features, in_features, pattern):
-    """The inline-asm x loads (one 128-bit load per four lanes) on the device: every lane count,
-    batches that pad (3, 5, 7), fixed configs (no autotuning), against float64. A lane order
-    mixed up in the asm path would put a relative error near 1 here; the interpreter cannot
-    run that path."""
-    values, mask = random_packed(out_features, in_features, pattern, case_seed(out_features, pattern), device="cuda",
-                                 dtype=torch.bfloat16)
-    reference_weight = unpack(values, mask).double()
-    for batch in [2, 3, 4, 5, 7, 8, 16]:
-        lanes = 1 << (batch - 1).bit_length()
-        for config in [(1, 4, 32, 1), (2, 4, 16, 1), (4, 4, 8, 1)]:
-            if config[0] * lanes > 32:
-                continue
-            x = torch.randn(batch, in_features, device="cuda", dtype=torch.bfloat16)
-            y = kernels.spmv(x, values, mask, config=config)
-            assert relative_error(y, x.double() @ reference_weight.T) < 1e-2, (batch, config)
-            per_lane = [relative_error(y[i], x[i].double() @ reference_weight.T) for i in range(batch)]
-            assert max(per_lane) < 1e-2, (batch, config, per_lane)
