@@ -36,9 +36,9 @@ declare -A JOBS=(
   [kernel_probe]="python3 scripts/bench_kernel.py --probe --out-json \$JOB/probe.json"
   [spmm]="env OUT=\$JOB bash scripts/gpu_spmm_check.sh bench"
   [decode_b1]="env GPTFAST_PROFILE=\$JOB/profile_gptfast.txt python3 scripts/bench_decode.py --models Llama-3.1-8B --patterns dense,2:4,4:8,8:16,16:32 --batch_sizes 1 --profile --gptfast .gptfast --gptfast_timeout_s 240 --out \$JOB"
-  [decode_batches]="python3 scripts/bench_decode.py --models Llama-3.1-8B --patterns dense,2:4 --batch_sizes 4,8 --out \$JOB"
+  [decode_batches]="python3 scripts/bench_decode.py --models Llama-3.1-8B --patterns dense,2:4 --batch_sizes 4,8 --deadline_s 500 --out \$JOB"
   [decode_qwen3]="python3 scripts/bench_decode.py --models Qwen3-8B,Qwen3-14B --patterns dense,2:4 --batch_sizes 1 --out \$JOB"
-  [decode_qwen3_32b]="python3 scripts/bench_decode.py --models Qwen3-32B --patterns dense,2:4 --batch_sizes 1 --out \$JOB"
+  [decode_qwen3_32b]="python3 scripts/bench_decode.py --models Qwen3-32B --patterns dense,2:4 --batch_sizes 1 --deadline_s 500 --out \$JOB"
   [prune_8b]="python3 scripts/bench_prune.py --model Llama-3.1-8B --tokens 262144 --batch_size 128 --max_new_tokens 512 --prompt_lengths 64:512 --no_write --json \$JOB/bench_prune.json"
 )
 

@@ -4,7 +4,8 @@ Dispatch of `sparse_matmul` by where it runs and how many rows x has:
 - CUDA (or CPU under TRITON_INTERPRET=1): up to 16 rows -> the CUDA-core SpMV (kernels.spmv),
   or from SPMM_MIN_ROWS rows on the tensor-core SpMM (spmm.spmm, which expands weight tiles in
   registers for tl.dot); more rows (prefill) -> the SpMM if SPMM_PREFILL, else expand the
-  weight to dense with a Triton kernel and call cuBLAS. Both switches are off until measured.
+  weight to dense with a Triton kernel and call cuBLAS. The switches below say why they are set
+  as they are.
 - CPU otherwise: pure PyTorch (unpack + F.linear).
 The CUDA path is a `torch.library.custom_op`, so torch.compile(fullgraph=True) keeps it as one
 opaque node and mode="reduce-overhead" records its kernels into the CUDA graph. (An opaque op
@@ -19,10 +20,12 @@ from sparse import kernels, spmm
 from sparse.format import pack, packed_shapes, unpack
 
 # Where the tensor-core SpMM takes over: the SpMV's FMAs grow with the rows of x, the SpMM's
-# expansion does not. Both switches wait for the SpMM's first H200 timing
-# (scripts/gpu_spmm_check.sh); until then the SpMV keeps every batch size (16 + 1 = never) and
-# prefill stays expand-to-dense + cuBLAS.
-SPMM_MIN_ROWS = kernels.MAX_SPMV_BATCH + 1
+# expansion does not. Measured on the H200 (docs/KERNEL_NOTES.md, 2026-11-29 22:40 UTC, the four
+# Llama-3.1-8B shapes, 2:4): at 8 and 16 rows the SpMM is faster on every shape (one layer's four
+# calls at 8 rows: 178.7 us against 225.3 us for the SpMV); at 4 rows the SpMV wins overall
+# (143.3 against 168.4 us). 5-7 rows were not timed and stay on the SpMV. Prefill stays
+# expand-to-dense + cuBLAS: the SpMM took 5-6x its time at 2048 tokens.
+SPMM_MIN_ROWS = 8
 SPMM_PREFILL = False
 
 
