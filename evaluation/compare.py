@@ -13,7 +13,9 @@ Prompt split (nothing is evaluated on prompts it was calibrated on):
   calibration (decode): LongBench-Write-en rows whose index is not a multiple of 3, then MBPP
                         problem statements 601-974 (outside MBPP's test split);
   held-out (fidelity):  LongBench-Write-en rows 0, 3, 6, ... and the first HumanEval prompts.
-Perplexity is measured on WikiText-2 test (C4 is a calibration source, so it would favour C4).
+Perplexity is measured on WikiText-2 test and, with --c4_ppl_tokens, on held-out C4: the documents of
+c4_sample.jsonl (the C4 calibration source) that no text calibration of seeds 0-2 (and --seeds) at up
+to 32768 tokens (or --tokens) reads - in-distribution for the C4-calibrated cells, so it favours them.
 Task scores (greedy): pass@1 on the first --task_limit HumanEval / MBPP-test / ClassEval problems, and
 LongBench-Write S_l on the first --task_limit held-out writing prompts.
 
@@ -25,6 +27,7 @@ import argparse
 import functools
 import hashlib
 import json
+import math
 import statistics
 import sys
 import time
@@ -43,7 +46,10 @@ CALIB_LABEL = {"text": "C4", "decode": "decode-aware"}
 SPREAD_NOTE = {True: "", False: ", within seed spread", None: ", one seed (no spread)"}
 # (metric key, label, True if higher is better)
 METRICS = [("kl", "KL(dense||pruned)", False), ("top1_agreement", "top-1 agree", True),
-           ("tokens_to_divergence_mean", "tokens to diverge", True), ("wikitext2_ppl", "WikiText-2 PPL", False)]
+           ("tokens_to_divergence_mean", "tokens to diverge", True), ("wikitext2_ppl", "WikiText-2 PPL", False),
+           ("c4_ppl", "C4 PPL (held-out docs)", False)]
+# Held-out C4 excludes every document that a text calibration at these seeds and budget could read.
+C4_EXCLUDED_SEEDS, C4_EXCLUDED_TOKENS = (0, 1, 2), 32768
 
 
 def writing_rows(heldout: bool) -> list[dict]:
@@ -60,6 +66,40 @@ def prompt_split(n_writing_heldout: int = 20, n_code_heldout: int = 10) -> tuple
     calibration = [row["prompt"] for row in writing_rows(heldout=False)] + mbpp
     heldout = [row["prompt"] for row in writing_rows(heldout=True)][:n_writing_heldout] + humaneval
     return calibration, heldout
+
+
+def c4_calibration_documents(tokenizer, documents: list[str], seeds, tokens: int, window_len: int) -> set[int]:
+    """Indices of the documents prune.calibration.text_windows reads at these seeds and budget: the
+    windows are cut from these only. Per seed it reads a prefix of its seeded shuffle, until it holds
+    twice the tokens it needs, so a larger budget reads a superset of a smaller one."""
+    need = 2 * math.ceil(tokens / window_len) * window_len
+    read = set()
+    for seed in seeds:
+        held = 0
+        for i in torch.randperm(len(documents), generator=torch.Generator().manual_seed(seed)).tolist():
+            read.add(i)
+            held += len(tokenizer.encode(documents[i], bos=True))
+            if held >= need:
+                break
+    return read
+
+
+def c4_heldout(tokenizer, path, n_tokens: int, seeds, tokens: int, window_len: int) -> tuple[list[int], dict]:
+    """The first n_tokens of the documents of a C4 calibration file that no text calibration at these
+    seeds and budget reads (in file order, joined by blank lines as evaluation.perplexity reads jsonl),
+    and a record of the split."""
+    from prune.calibration import read_documents
+
+    documents = read_documents(path)
+    excluded = c4_calibration_documents(tokenizer, documents, seeds, tokens, window_len)
+    kept = [i for i in range(len(documents)) if i not in excluded]
+    ids = tokenizer.encode("\n\n".join(documents[i] for i in kept))[:n_tokens]
+    if len(ids) < n_tokens:
+        raise ValueError(f"held-out C4 has {len(ids)} tokens, fewer than the {n_tokens} asked for")
+    info = {"file": str(path), "documents": len(documents), "excluded_documents": sorted(excluded),
+            "excluded_by": {"seeds": list(seeds), "tokens": tokens, "window_len": window_len},
+            "heldout_documents": len(kept), "tokens": len(ids)}
+    return ids, info
 
 
 def run_name(method: str, pattern: str, calib: str, seed: int) -> str:
@@ -248,7 +288,7 @@ def plot(table: dict, dense: dict, path):
             ax.axhline(dense[key], color="black", linestyle=":", label="dense")
         ax.set_xticks(list(x), [f"{m}\n{p}" for m, p in pairs], fontsize=8)
         ax.set_title(f"{label} ({'higher' if higher_better else 'lower'} is better)", fontsize=9)
-        if key == "kl" or key == "wikitext2_ppl":
+        if key in ("kl", "wikitext2_ppl", "c4_ppl"):
             ax.set_yscale("log")
     axes[0][0].legend(fontsize=8)
     fig.tight_layout()
@@ -276,6 +316,9 @@ def main():
     parser.add_argument("--max_new_tokens", type=int, default=128, help="length of the dense reference generations")
     parser.add_argument("--ppl_tokens", type=int, default=32768)
     parser.add_argument("--seq_len", type=int, default=512, help="perplexity window")
+    parser.add_argument("--c4_ppl_tokens", type=int, default=0,
+                        help="also perplexity on this many held-out C4 tokens (documents no text calibration "
+                             "reads; see the module docstring), cached on its own; 0: off")
     parser.add_argument("--tasks", nargs="*", default=[], choices=["humaneval", "mbpp", "classeval", "longbench_write"],
                         help="task scores, each cached on its own (adding a task re-runs nothing else)")
     parser.add_argument("--task_limit", type=int, default=20)
@@ -336,6 +379,19 @@ def run_grid(args) -> dict:
         return context
 
     eval_key = f"ppl{args.ppl_tokens}x{args.seq_len}-refs{len(heldout)}x{args.max_new_tokens}"
+    c4_seeds = sorted(set(C4_EXCLUDED_SEEDS) | set(args.seeds))
+    c4_budget = max(C4_EXCLUDED_TOKENS, args.tokens)
+    c4_key = (f"c4ppl{args.c4_ppl_tokens}x{args.seq_len}-excl{c4_budget}x{args.calib_seq_len}"
+              f"seeds{'_'.join(map(str, c4_seeds))}")
+
+    def c4_ids() -> list[int]:
+        if "c4_ids" not in context:
+            ids, info = c4_heldout(evaluation_context()["tokenizer"], data_path("c4_sample.jsonl"),
+                                   args.c4_ppl_tokens, c4_seeds, c4_budget, args.calib_seq_len)
+            write_json_atomic(args.workdir / f"c4_heldout.{c4_key}.json", info)
+            context["c4_ids"] = ids
+        return context["c4_ids"]
+
     task_keys = {task: f"{task}{args.task_limit}x{args.task_max_new_tokens}" for task in args.tasks}
 
     def metrics_of(name: str, load) -> dict:
@@ -343,6 +399,11 @@ def run_grid(args) -> dict:
         is loaded only if something is measured)."""
         metrics = cached_metrics(args.workdir / f"{name}.{eval_key}.json",
                                  lambda: evaluate_checkpoint(args, load(), evaluation_context()))
+        c4_path = args.workdir / f"{name}.{c4_key}.json"
+        if args.c4_ppl_tokens and (c4_path.exists() or not args.existing_only):
+            from evaluation.perplexity import perplexity
+            metrics.update(cached_metrics(c4_path, lambda: {
+                "c4_ppl": perplexity(load(), c4_ids(), args.seq_len)["perplexity"]}))
         for task, key in task_keys.items():
             path = args.workdir / f"{name}.{key}.json"
             if path.exists() or not args.existing_only:
@@ -350,7 +411,7 @@ def run_grid(args) -> dict:
                     args, task, load(), evaluation_context()["tokenizer"], path.with_suffix(".detail.json"))))
         return metrics
 
-    evaluation = "+".join([eval_key, *task_keys.values()])  # names what the results were measured with
+    evaluation = "+".join([eval_key, *([c4_key] if args.c4_ppl_tokens else []), *task_keys.values()])  # names what the results were measured with
     dense_metrics = metrics_of("dense", lambda: evaluation_context()["dense"])
     grid = [(m, p, c, s) for s in args.seeds for p in args.patterns for m in args.methods for c in CALIBRATIONS]
     runs = []
