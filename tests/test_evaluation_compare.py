@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from checkpoint import load_checkpoint, save_checkpoint
-from evaluation.compare import aggregate, markdown_table, plot, prune, prune_argv, run_name, verdicts
+from evaluation.compare import aggregate, c4_heldout, markdown_table, plot, prune, prune_argv, run_name, verdicts
 from model import Transformer
+from prune.calibration import text_windows
 from prune.run import main as prune_cli
 from tests.conftest import STORIES260K_DIR
 from tests.evaluation_tiny_models import TINY
@@ -113,6 +114,9 @@ def test_grid_caches_each_task_apart_and_existing_only_measures_nothing(tmp_path
     monkeypatch.setattr(compare, "evaluate_checkpoint", lambda args, model, context: measured.append(model) or {"kl": 1.0})
     monkeypatch.setattr(compare, "task_score", lambda args, task, model, tokenizer, detail: measured.append(
         (task, model)) or {f"{task}_pass@1": 0.5})
+    monkeypatch.setattr(compare, "c4_heldout", lambda *a: ([0] * 8, {"tokens": 8}))
+    monkeypatch.setattr(evaluation.perplexity, "perplexity", lambda model, ids, seq_len: measured.append(
+        ("c4", model)) or {"perplexity": 9.0})
 
     def grid(*extra):
         argv = ["--checkpoint", "dense.pth", "--workdir", str(tmp_path / "grid"), "--methods", "wanda", "--patterns",
@@ -128,6 +132,41 @@ def test_grid_caches_each_task_apart_and_existing_only_measures_nothing(tmp_path
     assert grid("--tasks", "humaneval", "mbpp", "--existing_only") == []
     runs = json.loads((tmp_path / "results.json").read_text())["runs"]
     assert all(run["metrics"] == {"kl": 1.0, "humaneval_pass@1": 0.5} for run in runs)
+    assert grid("--c4_ppl_tokens", "8", "--existing_only") == []
+    assert grid("--c4_ppl_tokens", "8") == [("c4", "dense"), ("c4", "wanda-2of4-text-seed0"),
+                                            ("c4", "wanda-2of4-decode-seed0")]
+    assert grid("--c4_ppl_tokens", "8", "--tasks", "humaneval") == []
+    runs = json.loads((tmp_path / "results.json").read_text())["runs"]
+    assert all(run["metrics"] == {"kl": 1.0, "c4_ppl": 9.0, "humaneval_pass@1": 0.5} for run in runs)
+
+
+def test_heldout_c4_documents_never_reach_a_text_calibration(tmp_path):
+    """Held-out C4 is the documents text_windows does not read at seeds 0-2 and the largest budget:
+    rewriting every held-out document leaves each such calibration (and a smaller budget's) unchanged."""
+    from tokenizer import load_tokenizer
+
+    tokenizer_path = STORIES260K_DIR / "tok512.bin"
+    if not tokenizer_path.is_file():
+        pytest.skip(f"stories260K's tokenizer is not at {tokenizer_path}")
+    tokenizer = load_tokenizer(tokenizer_path)
+    words = "the cat sat on a mat and Lily ran to see her dog in the big park".split()
+    documents = [" ".join(words[(i + j) % len(words)] for j in range(3 + 5 * (i % 7))) for i in range(60)]
+    corpus = tmp_path / "c4.jsonl"
+    corpus.write_text("".join(json.dumps({"text": d}) + "\n" for d in documents))
+    ids, info = c4_heldout(tokenizer, corpus, 20, (0, 1, 2), 64, 16)
+    excluded = set(info["excluded_documents"])
+    kept = [d for i, d in enumerate(documents) if i not in excluded]
+    assert 0 < len(excluded) < len(documents) and info["heldout_documents"] == len(kept)
+    assert ids == tokenizer.encode("\n\n".join(kept))[:20]
+    rewritten = tmp_path / "rewritten.jsonl"
+    rewritten.write_text("".join(json.dumps({"text": d if i in excluded else "Tom and Sue ate " * (i + 1)}) + "\n"
+                                 for i, d in enumerate(documents)))
+    for seed in (0, 1, 2):
+        for tokens in (32, 64):
+            a, b = text_windows(tokenizer, corpus, tokens, 16, seed), text_windows(tokenizer, rewritten, tokens, 16, seed)
+            assert all(torch.equal(x, y) for x, y in zip(a.sequences, b.sequences, strict=True))
+    with pytest.raises(ValueError, match="fewer than"):
+        c4_heldout(tokenizer, corpus, 10 ** 6, (0, 1, 2), 64, 16)
 
 
 def test_a_metric_on_fewer_seeds_than_its_row_says_so():
