@@ -129,6 +129,8 @@ def prune(args, method, pattern, calib, seed, calib_prompts: Path, out: Path):
     prune_args = parse_args(argv)
     started = time.perf_counter()
     calibration = cached_calibration(args.calibration_cache or args.workdir, prune_args)
+    if prune_args.count_first_token:  # as prune/run.py's main() does; the cached set stays decode-only
+        calibration = calibration.with_first_positions()
     calibration_seconds = time.perf_counter() - started
     metadata = prune_model(prune_args.checkpoint, calibration, method, pattern, out, device=prune_args.device,
                            one_shot=prune_args.one_shot, include=prune_args.include, exclude=prune_args.exclude,

@@ -47,6 +47,17 @@ class CalibrationSet:
     def counted_tokens(self) -> int:
         return sum(int(c.sum()) for c in self.counted)
 
+    def with_first_positions(self) -> "CalibrationSet":
+        """The same set with each sequence's first position counted too. Decode-only statistics
+        never see that position, yet models with an attention sink write a massive activation
+        there that every decode step attends to (its keys and values come from the pruned
+        prefill): on SmolLM2 a 2:4 mask that ignores it can break the sink and collapse the model
+        (docs/RESULTS.md). One position per sequence, so the budget barely moves."""
+        counted = [c.clone() for c in self.counted]
+        for c in counted:
+            c[:1] = True
+        return CalibrationSet(self.sequences, counted, dict(self.info, first_position_counted=True))
+
     def padded_batches(self, max_tokens: int):
         """(tokens [B, T], counted [B, T]) batches of similar-length sequences, right-padded, each
         at most max_tokens in B·T (one sequence at least). Right padding is harmless under causal

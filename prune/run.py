@@ -397,6 +397,10 @@ def parse_args(argv):
     p.add_argument("--top_p", type=float, default=0.8)
     p.add_argument("--greedy", action="store_true", help="greedy decoding instead of sampling")
     p.add_argument("--no_compile", action="store_true", help="do not torch.compile the generation on CUDA")
+    p.add_argument("--count_first_token", action="store_true",
+                   help="--calib decode: also count each sequence's first position (the attention-sink token, "
+                   "which every decode step attends to) in the statistics; off by default (the paper counts "
+                   "decode positions only)")
     p.add_argument("--one-shot", "--one_shot", dest="one_shot", action="store_true",
                    help="calibrate every layer on the dense model's activations (default: sequential, on the pruned ones)")
     p.add_argument("--include", nargs="+", default=["layers.*"], help="globs of block linears to prune")
@@ -408,6 +412,8 @@ def parse_args(argv):
         p.error("--calib decode needs --prompts FILE")
     if args.calib == "text" and not args.text:
         p.error("--calib text needs --text FILE (or --text c4)")
+    if args.count_first_token and args.calib != "decode":
+        p.error("--count_first_token applies to --calib decode (text windows count every position already)")
     for flag in ("tokens", "seq_len", "max_new_tokens", "batch_size", "batch_tokens"):
         if getattr(args, flag) is not None and getattr(args, flag) <= 0:
             p.error(f"--{flag} must be positive")
@@ -430,6 +436,8 @@ def main(argv=None):
         if args.seq_len > config.block_size:
             raise ValueError(f"--seq_len {args.seq_len} exceeds the model's context of {config.block_size} tokens")
         calibration = build_calibration(args, config, device)
+        if args.count_first_token:
+            calibration = calibration.with_first_positions()
         calibrated = time.perf_counter()
         calibration.info["seconds"] = round(calibrated - started, 2)
         metadata = prune_model(args.checkpoint, calibration, args.method, args.pattern, args.out, device=device,

@@ -132,6 +132,16 @@ def test_decode_statistics_match_a_kv_cached_decode_and_exclude_the_prompt():
         x = outputs
 
 
+def test_first_positions_counted_on_request_only():
+    calibration = CalibrationSet([torch.arange(6), torch.arange(4)],
+                                 [torch.tensor([0, 0, 0, 1, 1, 1], dtype=torch.bool), torch.tensor([0, 0, 1, 1], dtype=torch.bool)],
+                                 dict(kind="decode"))
+    with_first = calibration.with_first_positions()
+    assert [c.tolist() for c in with_first.counted] == [[1, 0, 0, 1, 1, 1], [1, 0, 1, 1]]
+    assert with_first.counted_tokens == calibration.counted_tokens + 2 and with_first.info["first_position_counted"]
+    assert not calibration.counted[0][0] and "first_position_counted" not in calibration.info  # a copy
+
+
 def test_decode_budget_is_exact_and_cycles_prompts_with_sampling():
     pytest.importorskip("generate")
     model = tiny_model()

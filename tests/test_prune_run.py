@@ -187,7 +187,7 @@ def test_cli_bad_inputs_exit_with_one_line(argv, message, tiny_checkpoint, tmp_p
 
 
 @pytest.mark.parametrize("argv", [["--calib", "decode"], ["--calib", "text", "--text", "t.txt", "--tokens", "0"],
-                                  ["--method", "obs"]])
+                                  ["--method", "obs"], ["--calib", "text", "--text", "t.txt", "--count_first_token"]])
 def test_cli_usage_errors(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--checkpoint", "m.pth", "--out", "o.pth"] + argv)
@@ -239,19 +239,22 @@ def test_cli_text_calibration(checkpoints_with_tokenizer, tmp_path):
     assert (state_dict["layers.1.feed_forward.w2.weight"] == 0).float().mean() == 0.5
 
 
-def test_cli_cross_model_decode_calibration(checkpoints_with_tokenizer, tmp_path):
+@pytest.mark.parametrize("extra, counted", [([], 14), (["--count_first_token"], 16)])
+def test_cli_cross_model_decode_calibration(extra, counted, checkpoints_with_tokenizer, tmp_path):
     target, generator = checkpoints_with_tokenizer
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("Once upon a time\nThe cat sat\n")
     out = tmp_path / "pruned.pth"
     main(["--checkpoint", str(target), "--generator", str(generator), "--method", "sparsegpt", "--pattern", "2:4",
           "--calib", "decode", "--prompts", str(prompts), "--tokens", "30", "--max_new_tokens", "8",
-          "--batch_size", "2", "--greedy", "--device", "cpu", "--out", str(out)])
+          "--batch_size", "2", "--greedy", "--device", "cpu", "--out", str(out)] + extra)
     _, _, metadata = load_checkpoint(out)
     calibration = metadata["calibration"]
     assert calibration["kind"] == "decode" and calibration["sampling"] == {"greedy": True}
     assert calibration["generator"] == str(generator.resolve()) and calibration["prompt_file"] == str(prompts)
-    assert calibration["counted_tokens"] == 14  # greedy: one pass over 2 prompts, 7 decode steps each
+    # greedy: one pass over 2 prompts, 7 decode steps each (+ each prompt's first position with --count_first_token)
+    assert calibration["counted_tokens"] == counted
+    assert calibration.get("first_position_counted", False) == bool(extra)
 
 
 def test_cli_rejects_a_generator_with_another_vocabulary(checkpoints_with_tokenizer, tiny_checkpoint, tmp_path):

@@ -1,5 +1,6 @@
 """Diagnostic re-prune (not a grid cell) of SparseGPT 2:4, decode-aware, sequential, 8192 tokens, on a seed's
-cached calibration with one sequence left out and/or a larger dampening, evaluated as evaluation.compare
+cached calibration with one sequence left out, a larger dampening and/or each sequence's first position
+counted (prune's --count_first_token), evaluated as evaluation.compare
 does (KL, top-1 on the 12 held-out references; WikiText-2 perplexity, 2048 tokens in 512 windows).
 Usage: confirm.py VARIANT [SEED]"""
 import json, sys, time
@@ -15,7 +16,7 @@ from evaluation.fidelity import decode_step_logits
 from evaluation.generation import load_model, load_model_and_tokenizer
 from evaluation.perplexity import read_text
 
-variant = sys.argv[1]  # drop<k>, damp<f>, both joined by '+', or orig (evaluate the published checkpoint)
+variant = sys.argv[1]  # drop<k>, damp<f>, first, joined by '+', or orig (evaluate the published checkpoint)
 seed = int(sys.argv[2]) if len(sys.argv) > 2 else 1
 TAGS = {0: 'd9471777abc6', 1: '6e5f75f94956', 2: '064b032804cd'}
 DENSE = '/work/evalrun/smollm2/model.pth'
@@ -31,6 +32,8 @@ for part in variant.split('+'):
         run.METHODS['sparsegpt'] = lambda w, s, p: sparsegpt_prune(w, s.hessian, p, damp_fraction=f)
 if variant != 'orig':
     cal = CalibrationSet(seqs, counted, dict(saved['info'], diagnostic=variant))
+    if 'first' in variant.split('+'):  # the attention-sink position enters the statistics too
+        cal = cal.with_first_positions()
     t = time.time()
     run.prune_model(DENSE, cal, 'sparsegpt', '2:4', out, device='cpu', one_shot=False, seed=seed)
     print(f'{variant}: {cal.counted_tokens} counted tokens, pruned in {time.time()-t:.0f} s', flush=True)
