@@ -33,13 +33,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from checkpoint import save_checkpoint  # noqa: E402
+from checkpoint import atomic_write, save_checkpoint  # noqa: E402
 from generate import generate  # noqa: E402
-from prune.calibration import generation_calibration  # noqa: E402
+from prune.calibration import CalibrationSet, generation_calibration  # noqa: E402
 from prune.run import packed_state_dict, prune_layers, pruned_metadata, selected_linears  # noqa: E402
 from scripts.bench_decode import random_model  # noqa: E402
 
 SAMPLING = dict(temperature=0.7, top_k=20, top_p=0.8)  # the paper's
+CALIBRATION_SETTINGS = ("model", "tokens", "batch_size", "max_new_tokens", "prompts", "prompt_lengths", "seed", "device")
 
 
 def random_prompts(n: int, lengths: tuple, vocab_size: int, seed: int) -> list:
@@ -69,17 +70,8 @@ class Phases:
         print(f"[bench_prune] {name}: {self.seconds[name]} s", file=sys.stderr, flush=True)
 
 
-def bench(args, record: dict):
-    """Runs the phases, filling `record` as it goes (so a run cut short still reports its phases)."""
-    device = torch.device(args.device)
-    phases = Phases(device)
-    record.update(seconds=phases.seconds, peak_memory_gib=phases.peak_gib)
-    torch.manual_seed(args.seed)
-    model = random_model(args.model, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
-    prompts = random_prompts(args.prompts, args.prompt_lengths, model.config.vocab_size, args.seed)
+def generate_calibration(args, model, prompts, phases, device) -> CalibrationSet:
     compile = device.type == "cuda" and not args.no_compile
-    options = dict(SAMPLING, seed=args.seed, batch_size=args.batch_size, compile=compile)
-
     # One batch of exactly the calibration's shape; any other (even fewer steps) would recompile.
     phases.start()
     model.setup_caches(args.batch_size, min(model.config.block_size, args.prompt_lengths[1] + args.max_new_tokens))
@@ -88,10 +80,48 @@ def bench(args, record: dict):
     phases.stop("compile")
 
     phases.start()
-    calibration = generation_calibration(model, prompts, args.tokens, args.max_new_tokens, **options)
+    calibration = generation_calibration(model, prompts, args.tokens, args.max_new_tokens, **SAMPLING,
+                                         seed=args.seed, batch_size=args.batch_size, compile=compile)
     phases.stop("generation")
+    return calibration
+
+
+def load_calibration(path: Path, phases, record: dict) -> CalibrationSet:
+    """The calibration a first call saved, with that call's phase times, so the record totals both."""
+    saved = torch.load(path, weights_only=True)
+    if saved["settings"] != record["calibration_settings"]:
+        raise SystemExit(f"error: {path} was made by a run with other settings ({', '.join(saved['settings'])})")
+    phases.seconds.update(saved["seconds"])
+    phases.peak_gib.update(saved["peak_memory_gib"])
+    record["calibration_loaded"] = str(path)
+    return CalibrationSet([t.long() for t in saved["sequences"]], saved["counted"], saved["info"])
+
+
+def bench(args, record: dict):
+    """Runs the phases, filling `record` as it goes (so a run cut short still reports its phases)."""
+    device = torch.device(args.device)
+    phases = Phases(device)
+    record.update(seconds=phases.seconds, peak_memory_gib=phases.peak_gib)
+    torch.manual_seed(args.seed)
+    model = random_model(args.model, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    prompts = random_prompts(args.prompts, args.prompt_lengths, model.config.vocab_size, args.seed)
+    if args.calibration and args.calibration.exists():  # the second call of a split run
+        calibration = load_calibration(args.calibration, phases, record)
+    else:
+        calibration = generate_calibration(args, model, prompts, phases, device)
     record.update(decode_tokens=calibration.counted_tokens,
                   replayed_tokens=sum(len(s) for s in calibration.sequences), sequences=len(calibration.sequences))
+    if args.calibration and not args.calibration.exists():
+        # A run too long for one sitting (one device call is 10 minutes) stops here; the same
+        # command with the same --calibration goes on from it, and its record sums both calls.
+        # int32 ids: 1M decode tokens with their prompts stay under the device tool's 16 MiB per file
+        payload = dict(sequences=[t.to(torch.int32) for t in calibration.sequences], counted=calibration.counted,
+                       info=calibration.info,
+                       seconds=dict(phases.seconds), peak_memory_gib=dict(phases.peak_gib),
+                       settings=record["calibration_settings"])
+        atomic_write(args.calibration, lambda tmp: torch.save(payload, tmp))
+        record["calibration_saved"] = str(args.calibration)
+        return
 
     phases.start()
     for layer in model.layers:
@@ -168,6 +198,9 @@ def parse_args(argv=None):
     p.add_argument("--out", type=Path, help="packed checkpoint to write")
     p.add_argument("--no_write", action="store_true", help="time everything but writing the checkpoint")
     p.add_argument("--json", type=Path, help="also write the JSON record here")
+    p.add_argument("--calibration", type=Path,
+                   help="split the run in two: if this file is absent, generate, save the calibration here and "
+                   "stop; if present, load it and prune (the same command both times)")
     args = p.parse_args(argv)
     if not args.out and not args.no_write:
         p.error("give --out PATH or --no_write")
@@ -185,7 +218,7 @@ def main(argv=None) -> dict:
     record = dict(model=args.model, pattern=args.pattern, budget=args.tokens, batch_size=args.batch_size,
                   max_new_tokens=args.max_new_tokens, prompt_lengths=list(args.prompt_lengths),
                   collection="one-shot" if args.one_shot else "sequential", device=args.device,
-                  **environment(args))
+                  calibration_settings=[f"{k}={getattr(args, k)}" for k in CALIBRATION_SETTINGS], **environment(args))
     try:
         bench(args, record)
     finally:  # what was measured is reported even if a later phase fails or is interrupted

@@ -17,7 +17,10 @@
 #   decode_batches  Llama-3.1-8B dense and 2:4 at batch 4 and 8 (~8)
 #   decode_qwen3    Qwen3-8B and -14B, dense and 2:4, batch 1 (~9); Qwen3-32B is a job of its own:
 #   decode_qwen3_32b
-#   prune_8b        bench_prune.py: SparseGPT 2:4, 262,144 decode tokens on Llama-3.1-8B (~5)
+#   prune_8b        bench_prune.py: SparseGPT 2:4, 262,144 decode tokens on Llama-3.1-8B (~7.5)
+#   prune_1m_generate, then (next call) prune_1m_prune: the same at 1M decode tokens, which does not
+#                   fit one 10-minute call (~8 + ~7): the first saves $JOB/calibration_1m.pt (in
+#                   results.tgz); put it at runs/prune_1m_calibration.pt and carry that path to the second
 #
 # Lessons this encodes (2026-11-29): never `cmd | tail` (inductor's compile workers keep the pipe
 # open past a timeout, and the output is lost); stdin from /dev/null; a hard per-job timeout
@@ -39,6 +42,8 @@ declare -A JOBS=(
   [decode_batches]="python3 scripts/bench_decode.py --models Llama-3.1-8B --patterns dense,2:4 --batch_sizes 4,8 --deadline_s 500 --out \$JOB"
   [decode_qwen3]="python3 scripts/bench_decode.py --models Qwen3-8B,Qwen3-14B --patterns dense,2:4 --batch_sizes 1 --out \$JOB"
   [decode_qwen3_32b]="python3 scripts/bench_decode.py --models Qwen3-32B --patterns dense,2:4 --batch_sizes 1 --deadline_s 500 --out \$JOB"
+  [prune_1m_generate]="python3 scripts/bench_prune.py --model Llama-3.1-8B --tokens 1000000 --batch_size 128 --max_new_tokens 512 --prompt_lengths 64:512 --no_write --calibration \$JOB/calibration_1m.pt --json \$JOB/bench_prune.json"
+  [prune_1m_prune]="python3 scripts/bench_prune.py --model Llama-3.1-8B --tokens 1000000 --batch_size 128 --max_new_tokens 512 --prompt_lengths 64:512 --no_write --calibration runs/prune_1m_calibration.pt --json \$JOB/bench_prune.json"
   [prune_8b]="python3 scripts/bench_prune.py --model Llama-3.1-8B --tokens 262144 --batch_size 128 --max_new_tokens 512 --prompt_lengths 64:512 --no_write --json \$JOB/bench_prune.json"
 )
 

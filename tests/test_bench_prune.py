@@ -53,6 +53,18 @@ def test_bench_without_writing(bench_prune, tmp_path):
     assert record["decode_tokens"] == 120 and not any(tmp_path.iterdir())
 
 
+def test_bench_split_in_two_calls(bench_prune, tmp_path):
+    saved = tmp_path / "calibration.pt"
+    first = run(bench_prune, "--no_write", "--calibration", str(saved))
+    assert list(first["seconds"]) == ["compile", "generation"] and first["calibration_saved"] == str(saved)
+    second = run(bench_prune, "--no_write", "--calibration", str(saved))
+    assert list(second["seconds"]) == ["compile", "generation", "offload", "replay", "solve"]
+    assert {k: second["seconds"][k] for k in first["seconds"]} == first["seconds"]  # the first call's times, summed in
+    assert second["decode_tokens"] == 120 and second["pruned_linears"] == 8
+    with pytest.raises(SystemExit, match="other settings"):
+        run(bench_prune, "--no_write", "--calibration", str(saved), "--seed", "1")
+
+
 @pytest.mark.parametrize("argv", [[], ["--no_write", "--prompt_lengths", "9:3"]])
 def test_bench_usage_errors(bench_prune, argv):
     with pytest.raises(SystemExit) as exit_info:
