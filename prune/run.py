@@ -400,7 +400,7 @@ def parse_args(argv):
     p.add_argument("--count_first_token", action="store_true",
                    help="--calib decode: also count each sequence's first position (the attention-sink token, "
                    "which every decode step attends to) in the statistics; off by default (the paper counts "
-                   "decode positions only)")
+                   "decode positions only). Text windows count every position already.")
     p.add_argument("--one-shot", "--one_shot", dest="one_shot", action="store_true",
                    help="calibrate every layer on the dense model's activations (default: sequential, on the pruned ones)")
     p.add_argument("--include", nargs="+", default=["layers.*"], help="globs of block linears to prune")
@@ -412,8 +412,6 @@ def parse_args(argv):
         p.error("--calib decode needs --prompts FILE")
     if args.calib == "text" and not args.text:
         p.error("--calib text needs --text FILE (or --text c4)")
-    if args.count_first_token and args.calib != "decode":
-        p.error("--count_first_token applies to --calib decode (text windows count every position already)")
     for flag in ("tokens", "seq_len", "max_new_tokens", "batch_size", "batch_tokens"):
         if getattr(args, flag) is not None and getattr(args, flag) <= 0:
             p.error(f"--{flag} must be positive")

@@ -187,7 +187,7 @@ def test_cli_bad_inputs_exit_with_one_line(argv, message, tiny_checkpoint, tmp_p
 
 
 @pytest.mark.parametrize("argv", [["--calib", "decode"], ["--calib", "text", "--text", "t.txt", "--tokens", "0"],
-                                  ["--method", "obs"], ["--calib", "text", "--text", "t.txt", "--count_first_token"]])
+                                  ["--method", "obs"]])
 def test_cli_usage_errors(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--checkpoint", "m.pth", "--out", "o.pth"] + argv)
@@ -224,7 +224,8 @@ def checkpoints_with_tokenizer(tmp_path_factory):
     return paths
 
 
-def test_cli_text_calibration(checkpoints_with_tokenizer, tmp_path):
+@pytest.mark.parametrize("extra", [[], ["--count_first_token"]])  # text windows count every position already
+def test_cli_text_calibration(extra, checkpoints_with_tokenizer, tmp_path):
     from tests.conftest import SHARED
     text = SHARED / "data" / "wikitext2_test.raw"
     if not text.is_file():
@@ -232,7 +233,7 @@ def test_cli_text_calibration(checkpoints_with_tokenizer, tmp_path):
     target, _ = checkpoints_with_tokenizer
     out = tmp_path / "pruned.pth"
     main(["--checkpoint", str(target), "--method", "wanda", "--pattern", "50%", "--calib", "text", "--text", str(text),
-          "--tokens", "300", "--seq_len", "64", "--device", "cpu", "--out", str(out)])
+          "--tokens", "300", "--seq_len", "64", "--device", "cpu", "--out", str(out)] + extra)
     state_dict, _, metadata = load_checkpoint(out)
     assert metadata["calibration"]["kind"] == "text" and metadata["calibration"]["counted_tokens"] == 5 * 64
     assert metadata["tokenizer_dir"] == str(target.parent.parent.resolve())
