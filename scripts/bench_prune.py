@@ -97,6 +97,16 @@ def load_calibration(path: Path, phases, record: dict) -> CalibrationSet:
     return CalibrationSet([t.long() for t in saved["sequences"]], saved["counted"], saved["info"])
 
 
+def save_calibration(path: Path, calibration: CalibrationSet, phases, record: dict):
+    """What load_calibration reads back: the calibration, this call's phase times and its settings.
+    int32 ids: 1M decode tokens with their prompts stay under the device tool's 16 MiB per file."""
+    payload = dict(sequences=[t.to(torch.int32) for t in calibration.sequences], counted=calibration.counted,
+                   info=calibration.info, seconds=dict(phases.seconds), peak_memory_gib=dict(phases.peak_gib),
+                   settings=record["calibration_settings"])
+    atomic_write(path, lambda tmp: torch.save(payload, tmp))
+    record["calibration_saved"] = str(path)
+
+
 def bench(args, record: dict):
     """Runs the phases, filling `record` as it goes (so a run cut short still reports its phases)."""
     device = torch.device(args.device)
@@ -105,22 +115,17 @@ def bench(args, record: dict):
     torch.manual_seed(args.seed)
     model = random_model(args.model, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
     prompts = random_prompts(args.prompts, args.prompt_lengths, model.config.vocab_size, args.seed)
-    if args.calibration and args.calibration.exists():  # the second call of a split run
+    # A run too long for one sitting (one device call is 10 minutes) is split by --calibration: the
+    # first call generates, saves and stops; the same command again prunes, and its record sums both.
+    second_call = args.calibration is not None and args.calibration.exists()
+    if second_call:
         calibration = load_calibration(args.calibration, phases, record)
     else:
         calibration = generate_calibration(args, model, prompts, phases, device)
     record.update(decode_tokens=calibration.counted_tokens,
                   replayed_tokens=sum(len(s) for s in calibration.sequences), sequences=len(calibration.sequences))
-    if args.calibration and not args.calibration.exists():
-        # A run too long for one sitting (one device call is 10 minutes) stops here; the same
-        # command with the same --calibration goes on from it, and its record sums both calls.
-        # int32 ids: 1M decode tokens with their prompts stay under the device tool's 16 MiB per file
-        payload = dict(sequences=[t.to(torch.int32) for t in calibration.sequences], counted=calibration.counted,
-                       info=calibration.info,
-                       seconds=dict(phases.seconds), peak_memory_gib=dict(phases.peak_gib),
-                       settings=record["calibration_settings"])
-        atomic_write(args.calibration, lambda tmp: torch.save(payload, tmp))
-        record["calibration_saved"] = str(args.calibration)
+    if args.calibration is not None and not second_call:
+        save_calibration(args.calibration, calibration, phases, record)
         return
 
     phases.start()

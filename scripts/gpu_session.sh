@@ -32,19 +32,22 @@ DEADLINE_S=${DEADLINE_S:-570}  # keep under the device call's own limit (600 s a
 mkdir -p "$OUT/jobs"
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-8}
 
+# The shared head of each family of jobs; $JOB is expanded when a job runs.
+DECODE="python3 scripts/bench_decode.py"
+PRUNE_8B="python3 scripts/bench_prune.py --model Llama-3.1-8B --batch_size 128 --max_new_tokens 512 --prompt_lengths 64:512 --no_write --json \$JOB/bench_prune.json"
 declare -A JOBS=(
-  [gpu_tests]="python3 -m pytest -v -m gpu tests/test_sparse_linear.py tests/test_sparse_spmm.py tests/test_generate.py tests/test_prune_calibration.py tests/test_prune_solvers.py"
+  [gpu_tests]="python3 -m pytest -v -m gpu tests"
   [kernel_table]="python3 scripts/bench_kernel.py --out-md \$JOB/table.md --out-json \$JOB/bench.json"
   [kernel_sweep]="python3 scripts/bench_kernel.py --sweep --sweep-shapes 6144x4096,4096x4096,28672x4096,4096x14336 --sweep-batches 1,4 --out-json \$JOB/sweep.json"
   [kernel_probe]="python3 scripts/bench_kernel.py --probe --out-json \$JOB/probe.json"
   [spmm]="env OUT=\$JOB bash scripts/gpu_spmm_check.sh bench"
-  [decode_b1]="env GPTFAST_PROFILE=\$JOB/profile_gptfast.txt python3 scripts/bench_decode.py --models Llama-3.1-8B --patterns dense,2:4,4:8,8:16,16:32 --batch_sizes 1 --profile --gptfast .gptfast --gptfast_timeout_s 240 --out \$JOB"
-  [decode_batches]="python3 scripts/bench_decode.py --models Llama-3.1-8B --patterns dense,2:4 --batch_sizes 4,8 --deadline_s 500 --out \$JOB"
-  [decode_qwen3]="python3 scripts/bench_decode.py --models Qwen3-8B,Qwen3-14B --patterns dense,2:4 --batch_sizes 1 --out \$JOB"
-  [decode_qwen3_32b]="python3 scripts/bench_decode.py --models Qwen3-32B --patterns dense,2:4 --batch_sizes 1 --deadline_s 500 --out \$JOB"
-  [prune_1m_generate]="python3 scripts/bench_prune.py --model Llama-3.1-8B --tokens 1000000 --batch_size 128 --max_new_tokens 512 --prompt_lengths 64:512 --no_write --calibration \$JOB/calibration_1m.pt --json \$JOB/bench_prune.json"
-  [prune_1m_prune]="python3 scripts/bench_prune.py --model Llama-3.1-8B --tokens 1000000 --batch_size 128 --max_new_tokens 512 --prompt_lengths 64:512 --no_write --calibration runs/prune_1m_calibration.pt --json \$JOB/bench_prune.json"
-  [prune_8b]="python3 scripts/bench_prune.py --model Llama-3.1-8B --tokens 262144 --batch_size 128 --max_new_tokens 512 --prompt_lengths 64:512 --no_write --json \$JOB/bench_prune.json"
+  [decode_b1]="env GPTFAST_PROFILE=\$JOB/profile_gptfast.txt $DECODE --models Llama-3.1-8B --patterns dense,2:4,4:8,8:16,16:32 --batch_sizes 1 --profile --gptfast .gptfast --gptfast_timeout_s 240 --out \$JOB"
+  [decode_batches]="$DECODE --models Llama-3.1-8B --patterns dense,2:4 --batch_sizes 4,8 --deadline_s 500 --out \$JOB"
+  [decode_qwen3]="$DECODE --models Qwen3-8B,Qwen3-14B --patterns dense,2:4 --batch_sizes 1 --out \$JOB"
+  [decode_qwen3_32b]="$DECODE --models Qwen3-32B --patterns dense,2:4 --batch_sizes 1 --deadline_s 500 --out \$JOB"
+  [prune_8b]="$PRUNE_8B --tokens 262144"
+  [prune_1m_generate]="$PRUNE_8B --tokens 1000000 --calibration \$JOB/calibration_1m.pt"
+  [prune_1m_prune]="$PRUNE_8B --tokens 1000000 --calibration runs/prune_1m_calibration.pt"
 )
 
 jobs=("$@")
