@@ -17,6 +17,7 @@ torch's format can also run); `--patterns` times others. Correctness is checked 
     python scripts/bench_kernel.py --out-md docs/kernel_table.md --out-json runs/bench_kernel.json
     python scripts/bench_kernel.py --sweep   # config sweep on a few shapes (what the autotuner picks from)
     python scripts/bench_kernel.py --probe   # the fixed cost of one batch-1 call
+    python scripts/bench_kernel.py --ncu-shapes 4096x4096   # targets for Nsight Compute (see ncu_targets)
 """
 import argparse
 import json
@@ -190,6 +191,33 @@ def probe() -> list:
     return rows
 
 
+def ncu_targets(shapes, batch: int = 1) -> list:
+    """Launch the autotuned config once per shape inside an NVTX range "spmv" (an inner range names
+    shape and config), for Nsight Compute to profile:
+
+        ncu --clock-control none --nvtx --nvtx-include "spmv/" --set full --import-source yes -o REPORT \\
+            python3 scripts/bench_kernel.py --ncu-shapes 4096x4096,28672x4096
+
+    Compiles and autotuning run outside the ranges, so ncu skips them. The session-4 profiles in
+    docs/KERNEL_NOTES.md came from this mode (with each variant's best config in place of the tuned one)."""
+    rows = []
+    for out_features, in_features in shapes:
+        values, mask = pack(random_weight(out_features, in_features), "2:4")
+        x = torch.randn(batch, in_features, device="cuda", dtype=torch.bfloat16)
+        config = kernels.spmv_config(x, values, mask)
+        kernels.spmv(x, values, mask, config)  # compiled and warm before the profiled launch
+        torch.cuda.synchronize()
+        torch.cuda.nvtx.range_push("spmv")
+        torch.cuda.nvtx.range_push(f"{out_features}x{in_features} b{batch} {config}")
+        kernels.spmv(x, values, mask, config)
+        torch.cuda.synchronize()
+        torch.cuda.nvtx.range_pop()
+        torch.cuda.nvtx.range_pop()
+        rows.append(dict(out=out_features, inp=in_features, batch=batch, config=config))
+        print(f"ncu target {out_features}x{in_features} b{batch} {config}", flush=True)
+    return rows
+
+
 def markdown_table(rows: list) -> str:
     peak_gbps = max(r["dense_gbps"] for r in rows)
     lines = [f"Floor = packed bytes (+ x, y) at {peak_gbps / 1e3:.2f} TB/s, the fastest cuBLAS read of this run. "
@@ -215,9 +243,10 @@ def main():
     p.add_argument("--no-semi", action="store_true", help="skip torch's to_sparse_semi_structured")
     p.add_argument("--sweep", action="store_true", help="config sweep on a few shapes instead of the table")
     p.add_argument("--sweep-shapes", default=",".join(f"{o}x{i}" for o, i in SWEEP_SHAPES),
-                   help="OUTxIN,... for --sweep")
+                   help="OUTxIN,... for --sweep, or 'all': the table's 16 shapes")
     p.add_argument("--sweep-batches", default="1,4,16", help="batch sizes for --sweep")
     p.add_argument("--probe", action="store_true", help="fixed cost of one batch-1 call (small matrices)")
+    p.add_argument("--ncu-shapes", help="OUTxIN,...: launch the tuned batch-1 config once each, for ncu")
     p.add_argument("--out-md", type=Path)
     p.add_argument("--out-json", type=Path)
     args = p.parse_args()
@@ -230,8 +259,14 @@ def main():
         if args.out_json:
             args.out_json.write_text(json.dumps(rows, indent=1))
         return
+    if args.ncu_shapes:
+        rows = ncu_targets([tuple(int(n) for n in shape.split("x")) for shape in args.ncu_shapes.split(",")])
+        if args.out_json:
+            args.out_json.write_text(json.dumps(rows, indent=1))
+        return
     if args.sweep:
-        shapes = [tuple(int(n) for n in shape.split("x")) for shape in args.sweep_shapes.split(",")]
+        shapes = ([(o, i) for layers in SHAPES.values() for _, o, i in layers] if args.sweep_shapes == "all" else
+                  [tuple(int(n) for n in shape.split("x")) for shape in args.sweep_shapes.split(",")])
         rows = sweep(shapes, [int(b) for b in args.sweep_batches.split(",")])
         if args.out_json:
             args.out_json.write_text(json.dumps(rows, indent=1))
