@@ -191,6 +191,13 @@ def probe() -> list:
     return rows
 
 
+def parse_shapes(text: str) -> list:
+    """"OUTxIN,OUTxIN" -> [(out, in), ...]; "all" -> the table's 16 shapes."""
+    if text == "all":
+        return [(o, i) for layers in SHAPES.values() for _, o, i in layers]
+    return [tuple(int(n) for n in shape.split("x")) for shape in text.split(",")]
+
+
 def ncu_targets(shapes, batch: int = 1) -> list:
     """Launch the autotuned config once per shape inside an NVTX range "spmv" (an inner range names
     shape and config), for Nsight Compute to profile:
@@ -260,14 +267,12 @@ def main():
             args.out_json.write_text(json.dumps(rows, indent=1))
         return
     if args.ncu_shapes:
-        rows = ncu_targets([tuple(int(n) for n in shape.split("x")) for shape in args.ncu_shapes.split(",")])
+        rows = ncu_targets(parse_shapes(args.ncu_shapes))
         if args.out_json:
             args.out_json.write_text(json.dumps(rows, indent=1))
         return
     if args.sweep:
-        shapes = ([(o, i) for layers in SHAPES.values() for _, o, i in layers] if args.sweep_shapes == "all" else
-                  [tuple(int(n) for n in shape.split("x")) for shape in args.sweep_shapes.split(",")])
-        rows = sweep(shapes, [int(b) for b in args.sweep_batches.split(",")])
+        rows = sweep(parse_shapes(args.sweep_shapes), [int(b) for b in args.sweep_batches.split(",")])
         if args.out_json:
             args.out_json.write_text(json.dumps(rows, indent=1))
         best = {}
