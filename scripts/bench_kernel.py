@@ -16,7 +16,6 @@ torch's format can also run); `--patterns` times others. Correctness is checked 
 
     python scripts/bench_kernel.py --out-md docs/kernel_table.md --out-json runs/bench_kernel.json
     python scripts/bench_kernel.py --sweep   # config sweep on a few shapes (what the autotuner picks from)
-    python scripts/bench_kernel.py --probe   # the fixed cost of one batch-1 call
     python scripts/bench_kernel.py --ncu-shapes 4096x4096   # targets for Nsight Compute (see ncu_targets)
 """
 import argparse
@@ -148,16 +147,20 @@ def bench_shape(out_features, in_features, batch, pattern, with_semi=True) -> di
 
 def sweep(shapes=SWEEP_SHAPES, batches=(1, 4, 16)) -> list:
     """Time every config the autotuner picks from (kernels.candidate_configs) on a few shapes, the
-    autotuned choice, and at batch 1 the interpreter-safe bit scan (float exponent instead of
-    brev/bfind)."""
+    autotuned choice, cuBLAS on the same shape, and at batch 1 the interpreter-safe path (x gathered
+    from L1 instead of shuffled, plain loads, float-exponent bit scan) with the tuned config."""
     rows = []
     for out_features, in_features in shapes:
-        values, mask = pack(random_weight(out_features, in_features), "2:4")
+        weight = random_weight(out_features, in_features)
+        values, mask = pack(weight, "2:4")
         n_words = in_features // 32
         packed = [(values, mask)] + [(values.clone(), mask.clone())
                                      for _ in range(copies_for(values.numel() * 2 + mask.numel() * 4) - 1)]
+        weights = [weight] + [weight.clone() for _ in range(copies_for(weight.numel() * 2) - 1)]
         for batch in batches:
             x = torch.randn(batch, in_features, device="cuda", dtype=torch.bfloat16)
+            dense_us = time_per_call([lambda w=w: F.linear(x, w) for w in weights], replays=7)
+            rows.append(dict(out=out_features, inp=in_features, batch=batch, dense=True, us=dense_us))
             for config in kernels.candidate_configs(out_features, n_words, batch):
                 us = time_per_call([sparse_call(x, v, m, config) for v, m in packed], replays=7)
                 rows.append(dict(out=out_features, inp=in_features, batch=batch, config=config, us=us))
@@ -172,23 +175,31 @@ def sweep(shapes=SWEEP_SHAPES, batches=(1, 4, 16)) -> list:
                 finally:
                     kernels.INTERPRETING = False
                 rows.append(dict(out=out_features, inp=in_features, batch=batch, config=tuned, safe_scan=True, us=us))
-        del packed, values, mask
+        del packed, values, mask, weights
     return rows
 
 
-def probe() -> list:
-    """The fixed cost of one SpMV call at batch 1, 4096 rows: a 1-word matrix (launch + first loads
-    + store), 4-word ones walked in 1, 2 or 4 programs, and the full 4096x4096 from DRAM."""
-    rows = []
-    x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
-    for n_in, configs in [(32, [(1, 4, 1, 1), (2, 4, 1, 1)]), (128, [(2, 4, 1, 1), (2, 4, 2, 1), (2, 4, 4, 1)]),
-                          (4096, [(2, 4, 32, 1), (2, 4, 16, 1), (1, 4, 32, 1), (4, 4, 8, 1)])]:
-        copies = [pack(random_weight(4096, n_in), "2:4") for _ in range(10 if n_in == 4096 else 4)]  # 10 x 19 MB miss L2
-        for config in configs:
-            us = time_per_call([lambda v=v, m=m: kernels.spmv(x[:, :n_in], v, m, config) for v, m in copies])
-            rows.append(dict(out=4096, inp=n_in, config=config, us=us))
-            print(f"probe 4096x{n_in} config {config}: {us:.2f} us", flush=True)
-    return rows
+def sweep_summary(rows: list) -> str:
+    """One line per (shape, batch): cuBLAS, the best config, the tuned one, the safe path."""
+    best, dense, tuned, safe = {}, {}, {}, {}
+    for r in rows:
+        key = (r["out"], r["inp"], r["batch"])
+        if r.get("dense"):
+            dense[key] = r["us"]
+        elif r.get("tuned"):
+            tuned[key] = r
+        elif r.get("safe_scan"):
+            safe[key] = r["us"]
+        elif key not in best or r["us"] < best[key]["us"]:
+            best[key] = r
+    lines = ["| out×in | batch | cuBLAS µs | best config | best µs | speedup | tuned config | tuned µs | speedup | safe path µs |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for key, b in best.items():
+        t, safe_us = tuned[key], f"{safe[key]:.1f}" if key in safe else "-"
+        lines.append(f"| {key[0]}×{key[1]} | {key[2]} | {dense[key]:.1f} | {b['config']} | {b['us']:.1f} | "
+                     f"{dense[key] / b['us']:.2f}× | {t['config']} | {t['us']:.1f} | {dense[key] / t['us']:.2f}× | "
+                     f"{safe_us} |")
+    return "\n".join(lines)
 
 
 def parse_shapes(text: str) -> list:
@@ -252,7 +263,6 @@ def main():
     p.add_argument("--sweep-shapes", default=",".join(f"{o}x{i}" for o, i in SWEEP_SHAPES),
                    help="OUTxIN,... for --sweep, or 'all': the table's 16 shapes")
     p.add_argument("--sweep-batches", default="1,4,16", help="batch sizes for --sweep")
-    p.add_argument("--probe", action="store_true", help="fixed cost of one batch-1 call (small matrices)")
     p.add_argument("--ncu-shapes", help="OUTxIN,...: launch the tuned batch-1 config once each, for ncu")
     p.add_argument("--out-md", type=Path)
     p.add_argument("--out-json", type=Path)
@@ -261,11 +271,6 @@ def main():
         sys.exit("bench_kernel.py needs a CUDA GPU")
     torch.manual_seed(0)
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}", flush=True)
-    if args.probe:
-        rows = probe()
-        if args.out_json:
-            args.out_json.write_text(json.dumps(rows, indent=1))
-        return
     if args.ncu_shapes:
         rows = ncu_targets(parse_shapes(args.ncu_shapes))
         if args.out_json:
@@ -275,17 +280,10 @@ def main():
         rows = sweep(parse_shapes(args.sweep_shapes), [int(b) for b in args.sweep_batches.split(",")])
         if args.out_json:
             args.out_json.write_text(json.dumps(rows, indent=1))
-        best = {}
-        for r in rows:
-            key = (r["out"], r["inp"], r["batch"])
-            if not r.get("tuned") and not r.get("safe_scan") and (key not in best or r["us"] < best[key]["us"]):
-                best[key] = r
-        for r in rows:
-            if r.get("tuned") or r.get("safe_scan"):
-                b = best[(r["out"], r["inp"], r["batch"])]
-                tag = "safe-scan" if r.get("safe_scan") else "tuned"
-                print(f"{r['out']}x{r['inp']} b{r['batch']}: {tag} {r['config']} {r['us']:.1f} us; "
-                      f"best {b['config']} {b['us']:.1f} us")
+        summary = sweep_summary(rows)
+        if args.out_md:
+            args.out_md.write_text(summary + "\n")
+        print(summary)
         return
     rows = []
     batches = [int(b) for b in args.batches.split(",")]

@@ -11,10 +11,11 @@
 #   gpu_tests       pytest -m gpu over every module with GPU tests (~3; the SpMV autotuner compiles per shape)
 #   kernel_table    bench_kernel.py: the issue-3 table, 16 shapes x batch 1/4/8/16/2048 (~4)
 #   kernel_sweep    bench_kernel.py --sweep on the Llama-3.1-8B and Qwen3-14B shapes at batch 1 and 4 (~4)
-#   kernel_sweep_b1 the same sweep at batch 1 on all 16 shapes of the kernel table (~2)
+#   kernel_sweep_b1 the same sweep at batch 1 on all 16 shapes of the kernel table, with cuBLAS (~2)
+#   kernel_sweep_batches  the sweep at batch 4, 8 and 16 on the four Llama-3.1-8B shapes (~2)
+#   sparse_gpu_tests  pytest -m gpu over the sparse/ modules' tests only (~2)
 #   kernel_ncu      Nsight Compute (full set, SASS source page with stall samples) of the tuned batch-1
 #                   SpMV on 4096x4096, 28672x4096 and 4096x14336 (~2)
-#   kernel_probe    bench_kernel.py --probe: the fixed cost of one batch-1 call (~1)
 #   spmm            gpu_spmm_check.sh bench: tensor-core SpMM vs SpMV vs cuBLAS (~3)
 #   decode_b1       Llama-3.1-8B dense + GPT-Fast (needs .gptfast carried) + 2:4..16:32, --profile (~7)
 #   decode_batches  Llama-3.1-8B dense and 2:4 at batch 4 and 8 (~8)
@@ -42,9 +43,10 @@ declare -A JOBS=(
   [gpu_tests]="python3 -m pytest -v -m gpu tests"
   [kernel_table]="python3 scripts/bench_kernel.py --out-md \$JOB/table.md --out-json \$JOB/bench.json"
   [kernel_sweep]="python3 scripts/bench_kernel.py --sweep --sweep-shapes 6144x4096,4096x4096,28672x4096,4096x14336,7168x5120,5120x5120,34816x5120,5120x17408 --sweep-batches 1,4 --out-json \$JOB/sweep.json"
-  [kernel_sweep_b1]="python3 scripts/bench_kernel.py --sweep --sweep-shapes all --sweep-batches 1 --out-json \$JOB/sweep.json"
+  [kernel_sweep_b1]="python3 scripts/bench_kernel.py --sweep --sweep-shapes all --sweep-batches 1 --out-json \$JOB/sweep.json --out-md \$JOB/sweep.md"
+  [kernel_sweep_batches]="python3 scripts/bench_kernel.py --sweep --sweep-shapes 6144x4096,4096x4096,28672x4096,4096x14336 --sweep-batches 4,8,16 --out-json \$JOB/sweep.json --out-md \$JOB/sweep.md"
+  [sparse_gpu_tests]="python3 -m pytest -v -m gpu tests/test_sparse_kernels.py tests/test_sparse_linear.py tests/test_sparse_spmm.py"
   [kernel_ncu]="ncu --clock-control none --nvtx --nvtx-include 'spmv/' --set full --import-source yes -o \$JOB/spmv python3 scripts/bench_kernel.py --ncu-shapes 4096x4096,28672x4096,4096x14336 --out-json \$JOB/targets.json && ncu -i \$JOB/spmv.ncu-rep --page details --csv > \$JOB/details.csv && ncu -i \$JOB/spmv.ncu-rep --page source --print-source sass --csv > \$JOB/source_sass.csv"
-  [kernel_probe]="python3 scripts/bench_kernel.py --probe --out-json \$JOB/probe.json"
   [spmm]="env OUT=\$JOB bash scripts/gpu_spmm_check.sh bench"
   [decode_b1]="env GPTFAST_PROFILE=\$JOB/profile_gptfast.txt $DECODE --models Llama-3.1-8B --patterns dense,2:4,4:8,8:16,16:32 --batch_sizes 1 --profile --gptfast .gptfast --gptfast_timeout_s 240 --out \$JOB"
   [decode_batches]="$DECODE --models Llama-3.1-8B --patterns dense,2:4 --batch_sizes 4,8 --deadline_s 500 --out \$JOB"

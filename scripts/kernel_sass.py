@@ -5,9 +5,10 @@ Triton compiles to PTX for a target without a device, and the triton wheel ships
 cuobjdump, so a kernel change can be checked for spills and instruction count per kept weight
 before spending device time (docs/KERNEL_NOTES.md has the budget: ~17.7 per kept weight).
 
-    python scripts/kernel_sass.py                          # the batch 1 / 4 / 16 configs
-    python scripts/kernel_sass.py --batch 1 --rows_per_thread 1 --words_per_step 4 --one_step
+    python scripts/kernel_sass.py                          # batch 1 / 4 / 16, 4 slices, prefetch 2
+    python scripts/kernel_sass.py --batch 1 --slices 8 --prefetch 1 --sass_out runs/sass
     python scripts/kernel_sass.py --revision bee681a       # the same configs compiled from an older sparse/kernels.py
+                                                           # (of the same kernel signature)
 """
 import argparse
 import importlib.util
@@ -52,57 +53,72 @@ def kernels_module(revision: str = None):
     return module
 
 
-def compile_spmv(kernels, batch: int, rows_per_thread: int, warps: int, words_per_step: int, one_step: bool,
-                 nnz_per_word: int = 16) -> dict:
-    signature = {"x_ptr": "*bf16" if batch == 1 else "*i64", "values_ptr": "*bf16", "mask_ptr": "*i32",
-                 "y_ptr": "*bf16", "workspace_ptr": "*fp32", "arrivals_ptr": "*i32", "n_rows": "i32",
-                 "n_words": "i32", "words_per_split": "i32", "x_pair_stride": "i32"}
-    constants = dict(NNZ_PER_WORD=nnz_per_word, BATCH=batch, BLOCK_ROWS=rows_per_thread * 32 * warps,
+def loop_instructions_in_order(sass: str):
+    """(opcode, line) of the innermost loop's instructions, in program order."""
+    lines = [(int(m.group(1), 16), m.group(3), line) for line in sass.splitlines() if (m := SASS_LINE.match(line))]
+    length = loop_length(sass)
+    for i, (address, opcode, line) in enumerate(lines):
+        target = re.search(r"BRA\s.*?0x([0-9a-f]+)", line) if opcode == "BRA" else None
+        if target and int(target.group(1), 16) < address and i - length + 1 >= 0:
+            if lines[i - length + 1][0] == int(target.group(1), 16):
+                return [(op, text) for _, op, text in lines[i - length + 1:i + 1]]
+    return []
+
+
+def compile_spmv(kernels, batch: int, slices: int, prefetch: int, nnz_per_word: int = 16,
+                 dtype: str = "bf16") -> dict:
+    """Compile the SpMV for sm_90a and count its machine code; one loop trip = one mask word of
+    one row per thread, so per kept weight = loop instructions / nnz_per_word."""
+    signature = {"x_ptr": f"*{dtype}", "values_ptr": f"*{dtype}", "mask_ptr": "*i32", "y_ptr": f"*{dtype}",
+                 "workspace_ptr": "*fp32", "arrivals_ptr": "*i32", "n_rows": "i32", "n_words": "i32",
+                 "words_per_warp": "i32", "batch_rows": "i32", "in_features": "i32"}
+    constants = dict(NNZ=nnz_per_word, CHUNK=min(8, nnz_per_word), BATCH=batch, SLICES=slices, PREFETCH=prefetch,
                      INTERPRETER_SAFE=False)
-    parameters = kernels._spmv_kernel.arg_names
-    if "WORDS_PER_STEP" in parameters:  # older revisions had one word per step, always
-        constants.update(WORDS_PER_STEP=words_per_step, ONE_STEP=one_step)
     signature.update({name: "constexpr" for name in constants})
     compiled = triton.compile(ASTSource(fn=kernels._spmv_kernel, signature=signature, constexprs=constants),
-                              target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": slices})
     folder = Path(tempfile.mkdtemp())
     (folder / "k.ptx").write_text(compiled.asm["ptx"])
     report = subprocess.run([str(TOOLS / "ptxas"), "-arch=sm_90a", "-v", str(folder / "k.ptx"), "-o",
                              str(folder / "k.cubin")], capture_output=True, text=True, check=True).stderr
     sass = subprocess.run([str(TOOLS / "cuobjdump"), "-sass", str(folder / "k.cubin")],
                           capture_output=True, text=True, check=True).stdout
-    opcodes = [m.group(3) for m in map(SASS_LINE.match, sass.splitlines()) if m]
-    count = lambda *names: sum(op in names for op in opcodes)  # noqa: E731
+    loop = loop_instructions_in_order(sass)
+    count = lambda ops, *names: sum(op.split(".")[0] in names for op in ops)  # noqa: E731
+    loop_ops = [op for op, _ in loop]
+    loads = [i for i, op in enumerate(loop_ops) if op == "LDG"]
     return dict(registers=int(re.search(r"Used (\d+) registers", report).group(1)),
                 spill_bytes=int(re.search(r"(\d+) bytes spill stores", report).group(1)),
-                instructions=len(opcodes), ffma=count("FFMA"), flo=count("FLO"), loads=count("LDG"),
-                shared=count("LDS", "STS"), loop=loop_length(sass),
-                kept_weights=words_per_step * nnz_per_word * rows_per_thread, sass=sass)
+                loop=len(loop) or None, ffma=count(loop_ops, "FFMA"), flo=count(loop_ops, "FLO"),
+                shfl=count(loop_ops, "SHFL"), loads=len(loads), shared=count(loop_ops, "LDS", "STS", "BAR"),
+                last_load_at=(max(loads) / len(loop)) if loads else None,
+                kept_weights=nnz_per_word, sass=sass)
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--batch", type=int, nargs="*", default=[1, 4, 16])
-    p.add_argument("--rows_per_thread", type=int, default=1)
-    p.add_argument("--warps", type=int, default=4)
-    p.add_argument("--words_per_step", type=int, default=1)
-    p.add_argument("--one_step", action="store_true", help="one step per program (no prefetch of a next step)")
+    p.add_argument("--slices", type=int, default=4, help="warps per program (each a slice of K)")
+    p.add_argument("--prefetch", type=int, default=2, help="words loaded ahead of the one multiplied (1 or 2)")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--revision", help="compile sparse/kernels.py as of this git revision instead")
     p.add_argument("--sass_out", type=Path, help="write each config's SASS into this folder")
     args = p.parse_args()
     kernels = kernels_module(args.revision)
-    print(f"{'batch':>5} {'regs':>5} {'spill B':>7} {'instr':>6} {'FFMA':>5} {'FLO':>4} {'LDG':>4} {'LDS/STS':>7}"
-          f" {'loop':>5} {'per kept weight':>16}")
+    print(f"{'batch':>5} {'regs':>5} {'spill B':>7} {'loop':>5} {'FFMA':>5} {'FLO':>4} {'SHFL':>4} {'LDG':>4} "
+          f"{'LDS/STS/BAR':>11} {'last LDG at':>11} {'per kept weight':>16}")
     for batch in args.batch:
-        r = compile_spmv(kernels, batch, args.rows_per_thread, args.warps, args.words_per_step, args.one_step)
-        print(f"{batch:5d} {r['registers']:5d} {r['spill_bytes']:7d} {r['instructions']:6d} {r['ffma']:5d} "
-              f"{r['flo']:4d} {r['loads']:4d} {r['shared']:7d} {r['loop'] or '-':>5} "
-              f"{(r['loop'] or r['instructions']) / r['kept_weights']:16.1f}")
+        r = compile_spmv(kernels, batch, args.slices, args.prefetch, dtype=args.dtype)
+        last = f"{r['last_load_at']:.0%}" if r["last_load_at"] is not None else "-"
+        print(f"{batch:5d} {r['registers']:5d} {r['spill_bytes']:7d} {r['loop'] or '-':>5} {r['ffma']:5d} "
+              f"{r['flo']:4d} {r['shfl']:4d} {r['loads']:4d} {r['shared']:11d} {last:>11} "
+              f"{(r['loop'] or 0) / r['kept_weights']:16.1f}")
         if args.sass_out:
             args.sass_out.mkdir(parents=True, exist_ok=True)
             (args.sass_out / f"spmv_b{batch}.sass").write_text(r["sass"])
-    print("per kept weight = the word loop's instructions / the kept weights one trip multiplies (with one step per "
-          "program there is no loop: the whole kernel, prologue and split-K epilogue included)", file=sys.stderr)
+    print("loop = the word loop's instructions (one mask word of one row per thread); 'last LDG at' = where the "
+          "loop's last load sits, as a fraction of the loop (early = the prefetch is issued before the FMAs)",
+          file=sys.stderr)
 
 
 if __name__ == "__main__":

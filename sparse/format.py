@@ -7,14 +7,15 @@ Logical format, for a weight W of shape (out, in) pruned to N:M (M divides 32):
 At N/M = 1/2 every word holds exactly 16 set bits, so a kernel can walk a word in a fixed
 number of steps; in general a word holds 32·N/M bits (`nnz_per_word`).
 
-Physical layout (what pack returns and the buffers hold): the TRANSPOSE of the logical arrays,
-    mask   int32 (in/32, out):        mask[k, r]             = word k of row r
-    values dtype (in/32 · 32N/M, out): values[k·nnz + s, r]   = s-th kept value of row r in word k
-The SpMV kernel maps threads to rows and walks the words k in order; word-major storage makes
-every load of a mask word or of the s-th value of a word coalesced across neighbouring rows,
-while all threads of a warp gather x from the same 32-column chunk (one cache line). Both
-shapes follow from (in, out, pattern) alone, so a model can be built on the meta device and
-loaded with `load_state_dict(assign=True)`.
+Physical layout (what pack returns and the buffers hold). The SpMV kernel gives each thread one
+output row and lets the 32 threads of a warp walk the same word k of 32 neighbouring rows, so
+the buffers are word-major with the rows of a word side by side:
+    mask   int32 (in/32, out):            mask[k, r]              = word k of row r
+    values dtype (in/32 · nnz/C, out, C):  values[k·nnz/C + c, r, j] = kept value c·C + j of row r in word k
+with C = min(8, nnz) values per chunk (`values_per_chunk`): a thread reads a word's values in
+16-byte loads (8 bf16), and a warp's load of one chunk is 512 contiguous bytes. Both shapes
+follow from (in, out, pattern) alone, so a model can be built on the meta device and loaded with
+`load_state_dict(assign=True)`.
 
 "50%" style patterns mean unstructured sparsity: stored as a dense tensor with zeros, never
 packed; `parse_pattern` returns the fraction of zeros as a float for them (0.5).
@@ -68,12 +69,19 @@ def nnz_per_word(pattern: str) -> int:
     return WORD_BITS * n // m
 
 
+def values_per_chunk(nnz: int) -> int:
+    """Kept values of one word that sit contiguously for one row (one 16-byte load in bf16)."""
+    return min(8, nnz)
+
+
 def packed_shapes(in_features: int, out_features: int, pattern: str):
     """(values shape, mask shape) of a packed (out_features, in_features) weight."""
     if in_features % WORD_BITS != 0:
         raise ValueError(f"in_features={in_features} must be a multiple of 32 for the bitmask format")
     words = in_features // WORD_BITS
-    return (words * nnz_per_word(pattern), out_features), (words, out_features)
+    nnz = nnz_per_word(pattern)
+    chunk = values_per_chunk(nnz)
+    return (words * nnz // chunk, out_features, chunk), (words, out_features)
 
 
 def keep_largest(weight: Tensor, pattern: str) -> Tensor:
@@ -122,8 +130,12 @@ def pack(weight: Tensor, pattern: str, mask: Tensor = None):
         keep = mask.to(weight.device)
     words = _bits_to_words(keep)
     _check_words(words, pattern, where="mask")
-    values = weight.detach()[keep].reshape(out, -1)  # row-major: each row's kept values in column order
-    return values.t().contiguous(), words.t().contiguous()
+    nnz = nnz_per_word(pattern)
+    chunk = values_per_chunk(nnz)
+    # Each row's kept values in column order, as (row, word, chunk, j) -> (word, chunk, row, j).
+    values = weight.detach()[keep].reshape(out, inp // WORD_BITS, nnz // chunk, chunk)
+    values = values.permute(1, 2, 0, 3).reshape(-1, out, chunk)
+    return values.contiguous(), words.t().contiguous()
 
 
 def unpack(values: Tensor, mask: Tensor) -> Tensor:
@@ -132,8 +144,9 @@ def unpack(values: Tensor, mask: Tensor) -> Tensor:
     keep = _words_to_bits(mask)
     dense = torch.zeros(out, words * WORD_BITS, dtype=values.dtype, device=values.device)
     # Every word holds the same number of bits, so the row-major order of the kept positions is
-    # exactly the (row, word, step) order of the values.
-    dense[keep] = values.t().reshape(-1)
+    # exactly the (row, word, chunk, j) order of the values.
+    chunks, _, chunk = values.shape
+    dense[keep] = values.reshape(words, chunks // words, out, chunk).permute(2, 0, 1, 3).reshape(-1)
     return dense
 
 
@@ -179,10 +192,11 @@ def validate(values: Tensor, mask: Tensor, pattern: str):
         raise ValueError(f"mask must be an int32 tensor, got {getattr(mask, 'dtype', type(mask))}")
     if not isinstance(values, Tensor) or not values.is_floating_point():
         raise ValueError(f"values must be a floating-point tensor, got {getattr(values, 'dtype', type(values))}")
-    if mask.dim() != 2 or values.dim() != 2:
-        raise ValueError(f"values and mask must be 2-D, got {tuple(values.shape)} and {tuple(mask.shape)}")
+    if mask.dim() != 2 or values.dim() != 3:
+        raise ValueError(f"values must be 3-D and mask 2-D, got {tuple(values.shape)} and {tuple(mask.shape)}")
     words, out = mask.shape
-    if values.shape != (words * nnz, out):
+    chunk = values_per_chunk(nnz)
+    if values.shape != (words * nnz // chunk, out, chunk):
         raise ValueError(f"values shape {tuple(values.shape)} does not match mask shape {tuple(mask.shape)} "
-                         f"for pattern {pattern}: expected {(words * nnz, out)}")
+                         f"for pattern {pattern}: expected {(words * nnz // chunk, out, chunk)}")
     _check_words(mask.t(), pattern, where="mask")

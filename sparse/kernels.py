@@ -1,21 +1,28 @@
 """Triton kernels for the N:M bitmask format (layout: see sparse/format.py).
 
-- `spmv`: y = x @ W.T for 1..16 rows of x. Threads own output rows; the loop walks the mask
-  words k and, per word, a fixed number of steps (nnz per word, a constexpr): take the lowest
-  set bit, gather x at that column (all lanes of a warp hit the same 32-column chunk), multiply
-  by the next stored value, clear the bit. Words go in steps of a few (a constexpr): the masks
-  and values of a whole step are loaded as register tiles one step ahead, so a program waits
-  for memory once per step, not once per word. Split-K over programs adds fp32 partial sums into a workspace with
-  atomics; the last program of a row block to arrive casts the sum to the output dtype and
-  zeroes the workspace again, so one launch does everything and the workspace is always clean
-  for the next call. Tile, warps, split and words per step are autotuned per (out, in, batch).
+- `spmv`: y = x @ W.T for 1..16 rows of x. Each thread owns one output row; the 32 threads of a
+  warp walk the same mask word k of 32 neighbouring rows, so at every step they need x from the
+  same 32-column chunk. Lane j holds x[32k + j] in a register and a warp shuffle hands each
+  thread the element its column asks for: no address arithmetic and no memory access per kept
+  weight. Per word a thread loads the mask word and its values in 16-byte loads (8 bf16), then
+  runs a fixed number of steps (nnz per word, a constexpr): take the lowest set bit's column,
+  shuffle x from that lane, multiply by the next value, clear the bit. That is six instructions
+  per kept weight at batch 1 (bit scan 3, shuffle, bf16 -> fp32, FMA), against the ~17.7 the
+  H200 can issue per kept weight at full bandwidth (docs/KERNEL_NOTES.md). The next word's loads
+  are issued before the current word is multiplied. The warps of a program take consecutive
+  slices of K for the same rows and are summed through shared memory; programs may split K
+  further and add fp32 partial sums into a workspace with atomics, the last program of a row
+  block to arrive casting the sum to the output dtype and zeroing the workspace again, so one
+  launch does everything and the workspace is always clean for the next call. Slices and words
+  per warp are autotuned per (out, in, batch).
 - `unpack_to_dense`: expands (values, mask) into a dense weight for the prefill path
   (decompress + cuBLAS).
 
 `INTERPRETER_SAFE` (a constexpr) keeps inline PTX out so the same source runs under
-TRITON_INTERPRET=1 on CPU; the safe bit scan takes the lowest set bit's index from the float32
-exponent of (w & -w), which is exact for a power of two. Measurements and SASS counts behind
-these choices: docs/KERNEL_NOTES.md.
+TRITON_INTERPRET=1 on CPU: plain loads instead of the vector loads, a gather of x from memory
+instead of the shuffle, and a bit scan that takes the lowest set bit's index from the float32
+exponent of (w & -w), exact for a power of two. Measurements and SASS counts behind these
+choices: docs/KERNEL_NOTES.md.
 """
 import os
 
@@ -29,9 +36,55 @@ MAX_SPMV_BATCH = 16
 
 
 @triton.jit
+def _load_u32(ptr, COUNT: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
+    """A tuple of COUNT consecutive uint32 at each thread's `ptr` (4·COUNT-byte aligned), in 16-byte
+    vector loads where possible. Streamed through L2 only (.cg): a weight is read once per call.
+
+    Tuples of 1-D tensors (one element per thread), not joined tiles: a tile carried around the
+    pipelined loop made Triton convert its layout through shared memory every iteration."""
+    if COUNT > 4 or (INTERPRETER_SAFE and COUNT > 1):
+        tile = _load_u32(ptr, COUNT // 2, INTERPRETER_SAFE) + _load_u32(ptr + COUNT // 2, COUNT // 2,
+                                                                        INTERPRETER_SAFE)
+    elif INTERPRETER_SAFE:
+        tile = (tl.load(ptr), )
+    elif COUNT == 1:
+        tile = (tl.inline_asm_elementwise("ld.global.cg.u32 $0, [$1];", "=r,l", [ptr],
+                                          dtype=tl.uint32, is_pure=True, pack=1), )
+    elif COUNT == 2:
+        tile = tl.inline_asm_elementwise("ld.global.cg.v2.u32 {$0, $1}, [$2];", "=r,=r,l", [ptr],
+                                         dtype=(tl.uint32, tl.uint32), is_pure=True, pack=1)
+    else:
+        tile = tl.inline_asm_elementwise("ld.global.cg.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l",
+                                         [ptr], dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32),
+                                         is_pure=True, pack=1)
+    return tile
+
+
+@triton.jit
+def _to_float(bits, DTYPE: tl.constexpr):
+    """float32 of the DTYPE value in the low bits of a uint32 (16-bit types: bits 0-15)."""
+    if DTYPE == tl.float32:
+        value = bits.to(tl.float32, bitcast=True)
+    elif DTYPE == tl.bfloat16:
+        value = (bits << 16).to(tl.float32, bitcast=True)
+    else:
+        value = (bits & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    return value
+
+
+@triton.jit
+def _high_half_to_float(bits, DTYPE: tl.constexpr):
+    """float32 of the 16-bit DTYPE value in bits 16-31 (for bf16 a mask, not a shift)."""
+    if DTYPE == tl.bfloat16:
+        value = (bits & 0xFFFF0000).to(tl.float32, bitcast=True)
+    else:
+        value = _to_float(bits >> 16, DTYPE)
+    return value
+
+
+@triton.jit
 def _prepare_word(word, INTERPRETER_SAFE: tl.constexpr):
-    """int32 mask word -> the uint32 form `_pop_next_column` scans (bit-reversed on the fast path)."""
-    word = word.to(tl.uint32, bitcast=True)
+    """uint32 mask word -> the form `_pop_next_column` scans (bit-reversed on the fast path)."""
     if not INTERPRETER_SAFE:
         word = tl.inline_asm_elementwise("brev.b32 $0, $1;", "=r,r", [word], dtype=tl.uint32, is_pure=True, pack=1)
     return word
@@ -58,144 +111,142 @@ def _pop_next_column(word, INTERPRETER_SAFE: tl.constexpr):
 
 
 @triton.jit
-def _gather_lanes(pairs_ptr, pair_stride, LANES: tl.constexpr):
-    """x[column, 0:LANES] for every row, as float32 [rows, LANES] held in each thread's registers.
+def _step(acc, word, value, x_lanes, valid, INTERPRETER_SAFE: tl.constexpr):
+    """acc[b] += value * x[b, column of the word's lowest set bit] for every row b of x; that bit
+    cleared.
 
-    x is laid out pair-major, (LANES/2, in) int64 with two float32 lanes per element, so at one
-    step every lane of a warp reads the same 256-byte chunk (2 cache lines) whatever its column.
-    Lanes are put side by side with join/permute/reshape, which only relabel registers; a plain
-    2-D gather makes Triton pick a layout that differs from the rows' and shuffle through shared
-    memory.
-    """
-    if LANES == 2:
-        bits = tl.load(pairs_ptr, cache_modifier=".ca")
-        low = bits.to(tl.uint32).to(tl.float32, bitcast=True)
-        high = (bits >> 32).to(tl.uint32).to(tl.float32, bitcast=True)
-        lanes = tl.join(low, high)
-    else:
-        low = _gather_lanes(pairs_ptr, pair_stride, LANES // 2)
-        high = _gather_lanes(pairs_ptr + (LANES // 4) * pair_stride, pair_stride, LANES // 2)
-        lanes = tl.reshape(tl.permute(tl.join(low, high), (0, 2, 1)), (low.shape[0], LANES))
-    return lanes
-
-
-@triton.jit
-def _load_word_values(ptrs, row_ok, n_rows, STEPS: tl.constexpr):
-    """The STEPS values of one word for every row, as a register tile built by tl.join (first
-    half, second half) so `_multiply_word` can take it apart again with tl.split, for free."""
-    if STEPS == 1:
-        tile = tl.load(ptrs, mask=row_ok, other=0.0, cache_modifier=".cg")
-    else:
-        first = _load_word_values(ptrs, row_ok, n_rows, STEPS // 2)
-        second = _load_word_values(ptrs + (STEPS // 2) * n_rows, row_ok, n_rows, STEPS // 2)
-        tile = tl.join(first, second)
-    return tile
-
-
-@triton.jit
-def _multiply_word(acc, tile, word, x_chunk, x_pair_stride, STEPS: tl.constexpr, BATCH: tl.constexpr,
-                   INTERPRETER_SAFE: tl.constexpr):
-    """acc += value * x[column] over the word's kept columns, lowest first (fixed trip count)."""
-    if STEPS == 1:
-        column, word = _pop_next_column(word, INTERPRETER_SAFE)
-        if BATCH == 1:
-            x = tl.load((x_chunk + column)[:, None], cache_modifier=".ca").to(tl.float32)
+    x_lanes (a tuple over the rows of x): on the fast path the float32 bits of x[b, 32k + lane]
+    (zero for a word past the end), and the column's element comes from lane `column` by a warp
+    shuffle; on the safe path pointers to x[b, 32k], gathered where `valid`."""
+    column, word = _pop_next_column(word, INTERPRETER_SAFE)
+    for b in tl.static_range(len(acc)):
+        if INTERPRETER_SAFE:
+            x = tl.load(x_lanes[b] + column, mask=valid, other=0.0).to(tl.float32)
         else:
-            x = _gather_lanes(x_chunk + column, x_pair_stride, BATCH)
-        acc += tile.to(tl.float32)[:, None] * x
-    else:
-        first, second = tl.split(tile)
-        acc, word = _multiply_word(acc, first, word, x_chunk, x_pair_stride, STEPS // 2, BATCH, INTERPRETER_SAFE)
-        acc, word = _multiply_word(acc, second, word, x_chunk, x_pair_stride, STEPS // 2, BATCH, INTERPRETER_SAFE)
+            x = tl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, $2, 31, -1;", "=r,r,r", [x_lanes[b], column],
+                                          dtype=tl.uint32, is_pure=True, pack=1).to(tl.float32, bitcast=True)
+        acc = _replace(acc, b, acc[b] + value * x)
     return acc, word
 
 
 @triton.jit
-def _load_masks(mask_ptr, k, n_words, rows, row_ok, n_rows, WORDS: tl.constexpr):
-    """Mask words k .. k+WORDS-1 of every row, joined into one register tile (see _load_word_values).
-
-    Words past the end read as all ones: the scan then stays inside a real chunk of x, and
-    their values read as zero."""
-    if WORDS == 1:
-        tile = tl.load(mask_ptr + k * n_rows + rows, mask=row_ok & (k < n_words), other=-1, cache_modifier=".cg")
-    else:
-        tile = tl.join(_load_masks(mask_ptr, k, n_words, rows, row_ok, n_rows, WORDS // 2),
-                       _load_masks(mask_ptr, k + WORDS // 2, n_words, rows, row_ok, n_rows, WORDS // 2))
-    return tile
+def _replace(items, index: tl.constexpr, item):
+    """The tuple `items` with items[index] replaced."""
+    return items[:index] + (item, ) + items[index + 1:]
 
 
 @triton.jit
-def _load_values(values_ptr, k, n_words, rows, row_ok, n_rows, NNZ_PER_WORD: tl.constexpr, WORDS: tl.constexpr):
-    """The values of words k .. k+WORDS-1 of every row, as one register tile."""
-    if WORDS == 1:
-        tile = _load_word_values(values_ptr + k * NNZ_PER_WORD * n_rows + rows, row_ok & (k < n_words), n_rows,
-                                 NNZ_PER_WORD)
-    else:
-        tile = tl.join(_load_values(values_ptr, k, n_words, rows, row_ok, n_rows, NNZ_PER_WORD, WORDS // 2),
-                       _load_values(values_ptr, k + WORDS // 2, n_words, rows, row_ok, n_rows, NNZ_PER_WORD,
-                                    WORDS // 2))
-    return tile
-
-
-@triton.jit
-def _multiply_words(acc, values, masks, x_ptr, k, n_words, x_pair_stride, NNZ_PER_WORD: tl.constexpr,
-                    WORDS: tl.constexpr, BATCH: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
-    """acc += the products of words k .. k+WORDS-1 (tiles from _load_masks / _load_values)."""
-    if WORDS == 1:
-        word = _prepare_word(masks, INTERPRETER_SAFE)
-        x_chunk = x_ptr + tl.minimum(k, n_words - 1) * 32  # a word past the end has zero values
-        acc, word = _multiply_word(acc, values, word, x_chunk, x_pair_stride, NNZ_PER_WORD, BATCH, INTERPRETER_SAFE)
-    else:
-        first_values, second_values = tl.split(values)
-        first_masks, second_masks = tl.split(masks)
-        acc = _multiply_words(acc, first_values, first_masks, x_ptr, k, n_words, x_pair_stride, NNZ_PER_WORD,
-                              WORDS // 2, BATCH, INTERPRETER_SAFE)
-        acc = _multiply_words(acc, second_values, second_masks, x_ptr, k + WORDS // 2, n_words, x_pair_stride,
-                              NNZ_PER_WORD, WORDS // 2, BATCH, INTERPRETER_SAFE)
+def _multiply(acc, word, tile, x_lanes, valid, DTYPE: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
+    """acc += the word's kept weights (a tuple of uint32 of packed values, in column order) times x
+    at their columns, lowest column first: a fixed number of steps."""
+    for i in tl.static_range(len(tile)):
+        if DTYPE == tl.float32:
+            acc, word = _step(acc, word, _to_float(tile[i], DTYPE), x_lanes, valid, INTERPRETER_SAFE)
+        else:  # two 16-bit values per uint32, the first in the low half
+            acc, word = _step(acc, word, _to_float(tile[i], DTYPE), x_lanes, valid, INTERPRETER_SAFE)
+            acc, word = _step(acc, word, _high_half_to_float(tile[i], DTYPE), x_lanes, valid, INTERPRETER_SAFE)
     return acc
 
 
 @triton.jit
-def _spmv_kernel(x_ptr, values_ptr, mask_ptr, y_ptr, workspace_ptr, arrivals_ptr,
-                 n_rows, n_words, words_per_split, x_pair_stride,
-                 NNZ_PER_WORD: tl.constexpr, BATCH: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-                 WORDS_PER_STEP: tl.constexpr, ONE_STEP: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
-    """y[:BATCH, rows] = x @ W[rows].T. x: (in,) in any float dtype if BATCH == 1, else float32
-    pairs (BATCH/2, in) viewed as int64; BATCH and NNZ_PER_WORD are powers of two;
-    words_per_split is a multiple of WORDS_PER_STEP."""
-    row_block = tl.program_id(0)
-    split = tl.program_id(1)
-    rows = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    row_ok = rows < n_rows
+def _load_word(x_ptr, values_u32, mask_u32, k, rows, lane, n_rows, n_words, in_features, batch_rows,
+               CHUNKS: tl.constexpr, U32_PER_CHUNK: tl.constexpr, BATCH: tl.constexpr,
+               INTERPRETER_SAFE: tl.constexpr):
+    """What a thread needs to multiply word k of its row: (word ready to scan, values, x lanes, valid).
 
-    acc = tl.zeros([BLOCK_ROWS, BATCH], dtype=tl.float32)
-    k_begin = split * words_per_split
-    k_end = tl.minimum(k_begin + words_per_split, n_words)
-    # A step multiplies WORDS_PER_STEP words whose masks and values are all loaded before the
-    # first multiply, so a program waits for memory once per step, not once per word. With
-    # several steps per program the next step's tiles are loaded while this one is multiplied
-    # (twice the registers: each bf16 value takes a 32-bit register); with one step there is
-    # nothing to prefetch, and the registers go to more resident programs instead.
-    masks = _load_masks(mask_ptr, k_begin, n_words, rows, row_ok, n_rows, WORDS_PER_STEP)
-    values = _load_values(values_ptr, k_begin, n_words, rows, row_ok, n_rows, NNZ_PER_WORD, WORDS_PER_STEP)
-    if ONE_STEP:
-        acc = _multiply_words(acc, values, masks, x_ptr, k_begin, n_words, x_pair_stride, NNZ_PER_WORD,
-                              WORDS_PER_STEP, BATCH, INTERPRETER_SAFE)
+    A word past the end reads the last word again and multiplies it by zero. x is read through L1:
+    every warp on the SM reads the same x."""
+    valid = k < n_words
+    k = tl.minimum(k, n_words - 1)
+    word = _prepare_word(_load_u32(mask_u32 + k * n_rows + rows, 1, INTERPRETER_SAFE)[0], INTERPRETER_SAFE)
+    tile = _load_u32(values_u32 + (k * CHUNKS * n_rows + rows) * U32_PER_CHUNK, U32_PER_CHUNK, INTERPRETER_SAFE)
+    for c in tl.static_range(1, CHUNKS):
+        tile = tile + _load_u32(values_u32 + ((k * CHUNKS + c) * n_rows + rows) * U32_PER_CHUNK, U32_PER_CHUNK,
+                                INTERPRETER_SAFE)
+    X_DTYPE: tl.constexpr = x_ptr.dtype.element_ty
+    x_lanes = ()
+    for b in tl.static_range(BATCH):
+        # Rows of x past the batch repeat the last one (their results are not stored).
+        chunk = x_ptr + min(b, batch_rows - 1) * in_features + k * 32
+        if INTERPRETER_SAFE:
+            x_lanes = x_lanes + (chunk, )
+        else:
+            if X_DTYPE == tl.float32:
+                bits = tl.inline_asm_elementwise("ld.global.ca.u32 $0, [$1];", "=r,l", [chunk + lane],
+                                                 dtype=tl.uint32, is_pure=True, pack=1)
+            else:
+                bits = tl.inline_asm_elementwise("ld.global.ca.u16 $0, [$1];", "=r,l", [chunk + lane],
+                                                 dtype=tl.uint32, is_pure=True, pack=1)
+            x_lanes = x_lanes + (tl.where(valid, _to_float(bits, X_DTYPE).to(tl.uint32, bitcast=True), 0), )
+    return word, tile, x_lanes, valid
+
+
+@triton.jit
+def _join_lanes(acc, FIRST: tl.constexpr, COUNT: tl.constexpr):
+    """acc[FIRST : FIRST + COUNT] (a tuple of [T]) as one [T, COUNT] tensor, lanes in order."""
+    if COUNT == 1:
+        lanes = acc[FIRST][:, None]
     else:
-        for k in range(k_begin, k_end, WORDS_PER_STEP):
-            step_masks = masks
-            step_values = values
-            prefetch_ok = row_ok & (k + WORDS_PER_STEP < k_end)
-            masks = _load_masks(mask_ptr, k + WORDS_PER_STEP, n_words, rows, prefetch_ok, n_rows, WORDS_PER_STEP)
-            values = _load_values(values_ptr, k + WORDS_PER_STEP, n_words, rows, prefetch_ok, n_rows, NNZ_PER_WORD,
-                                  WORDS_PER_STEP)
-            acc = _multiply_words(acc, step_values, step_masks, x_ptr, k, n_words, x_pair_stride, NNZ_PER_WORD,
-                                  WORDS_PER_STEP, BATCH, INTERPRETER_SAFE)
+        low = _join_lanes(acc, FIRST, COUNT // 2)
+        high = _join_lanes(acc, FIRST + COUNT // 2, COUNT // 2)
+        lanes = tl.reshape(tl.permute(tl.join(low, high), (0, 2, 1)), (low.shape[0], COUNT))
+    return lanes
 
+
+@triton.jit
+def _spmv_kernel(x_ptr, values_ptr, mask_ptr, y_ptr, workspace_ptr, arrivals_ptr,
+                 n_rows, n_words, words_per_warp, batch_rows, in_features,
+                 NNZ: tl.constexpr, CHUNK: tl.constexpr, BATCH: tl.constexpr, SLICES: tl.constexpr,
+                 PREFETCH: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
+    """y[:batch_rows, rows] = x @ W[rows].T for the 32 rows of this program's row block.
+
+    Grid (row blocks, K splits); SLICES warps per program, warp s walking words_per_warp words
+    from (split · SLICES + s) · words_per_warp. BATCH: batch_rows rounded up to a power of two."""
+    DTYPE: tl.constexpr = values_ptr.dtype.element_ty
+    U32_PER_CHUNK: tl.constexpr = CHUNK * DTYPE.primitive_bitwidth // 32
+    CHUNKS: tl.constexpr = NNZ // CHUNK
+    THREADS: tl.constexpr = 32 * SLICES
+    thread = tl.arange(0, THREADS)
+    lane = thread % 32
+    rows = tl.minimum(tl.program_id(0) * 32 + lane, n_rows - 1)  # rows past the end repeat the last
+    k_first = (tl.program_id(1) * SLICES + thread // 32) * words_per_warp
+    values_u32 = values_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
+    mask_u32 = mask_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
+    acc = ()
+    for b in tl.static_range(BATCH):
+        acc = acc + (tl.zeros([THREADS], dtype=tl.float32), )
+
+    # Software pipeline, PREFETCH words deep: word i + PREFETCH's loads are issued before word i
+    # is multiplied.
+    word, tile, x_lanes, valid = _load_word(x_ptr, values_u32, mask_u32, k_first, rows, lane, n_rows, n_words,
+                                            in_features, batch_rows, CHUNKS, U32_PER_CHUNK, BATCH, INTERPRETER_SAFE)
+    if PREFETCH == 2:
+        word1, tile1, x_lanes1, valid1 = _load_word(x_ptr, values_u32, mask_u32, k_first + 1, rows, lane, n_rows,
+                                                    n_words, in_features, batch_rows, CHUNKS, U32_PER_CHUNK, BATCH,
+                                                    INTERPRETER_SAFE)
+    for i in range(PREFETCH, words_per_warp):
+        next_word, next_tile, next_x, next_valid = _load_word(
+            x_ptr, values_u32, mask_u32, k_first + i, rows, lane, n_rows, n_words, in_features, batch_rows,
+            CHUNKS, U32_PER_CHUNK, BATCH, INTERPRETER_SAFE)
+        acc = _multiply(acc, word, tile, x_lanes, valid, DTYPE, INTERPRETER_SAFE)
+        if PREFETCH == 2:
+            word, tile, x_lanes, valid = word1, tile1, x_lanes1, valid1
+            word1, tile1, x_lanes1, valid1 = next_word, next_tile, next_x, next_valid
+        else:
+            word, tile, x_lanes, valid = next_word, next_tile, next_x, next_valid
+    acc = _multiply(acc, word, tile, x_lanes, valid, DTYPE, INTERPRETER_SAFE)
+    if PREFETCH == 2:
+        acc = _multiply(acc, word1, tile1, x_lanes1, valid1, DTYPE, INTERPRETER_SAFE)
+
+    acc = _join_lanes(acc, 0, BATCH)  # [THREADS, BATCH]
+    if SLICES > 1:  # the warps' slices of K, summed through shared memory
+        acc = tl.sum(tl.reshape(acc, (SLICES, 32, BATCH)), axis=0)
+    out_rows = tl.program_id(0) * 32 + tl.arange(0, 32)
     lanes = tl.arange(0, BATCH)
-    out_offsets = lanes[None, :] * n_rows + rows[:, None]
-    out_ok = row_ok[:, None] & (lanes < BATCH)[None, :]
-    _store_or_reduce(acc, y_ptr, workspace_ptr, arrivals_ptr, row_block, out_offsets, out_ok, tl.num_programs(1))
+    out_offsets = lanes[None, :] * n_rows + out_rows[:, None]
+    out_ok = (out_rows < n_rows)[:, None] & (lanes < batch_rows)[None, :]
+    _store_or_reduce(acc, y_ptr, workspace_ptr, arrivals_ptr, tl.program_id(0), out_offsets, out_ok,
+                     tl.num_programs(1))
 
 
 @triton.jit
@@ -228,7 +279,8 @@ def _popcount(bits):
 
 @triton.jit
 def _unpack_kernel(values_ptr, mask_ptr, dense_ptr, n_rows, n_words,
-                   NNZ_PER_WORD: tl.constexpr, BLOCK_ROWS: tl.constexpr, WORDS_PER_PROGRAM: tl.constexpr):
+                   NNZ_PER_WORD: tl.constexpr, CHUNK: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                   WORDS_PER_PROGRAM: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_ok = rows < n_rows
     bit = tl.arange(0, 32).to(tl.uint32)
@@ -239,10 +291,13 @@ def _unpack_kernel(values_ptr, mask_ptr, dense_ptr, n_rows, n_words,
             word = tl.load(mask_ptr + k * n_rows + rows, mask=row_ok, other=0).to(tl.uint32, bitcast=True)
             kept = ((word[:, None] >> bit[None, :]) & 1) != 0
             rank = _popcount(word[:, None] & below[None, :]).to(tl.int32)  # kept values left of the column
-            value = tl.load(values_ptr + (k * NNZ_PER_WORD + rank) * n_rows + rows[:, None],
+            chunk = k * (NNZ_PER_WORD // CHUNK) + rank // CHUNK
+            value = tl.load(values_ptr + (chunk * n_rows + rows[:, None]) * CHUNK + rank % CHUNK,
                             mask=kept & row_ok[:, None], other=0.0)
             columns = k * 32 + bit.to(tl.int32)
             tl.store(dense_ptr + rows[:, None] * (n_words * 32) + columns[None, :], value, mask=row_ok[:, None])
+
+
 
 
 # ---------------------------------------------------------------- launchers
@@ -275,32 +330,32 @@ def reserve_workspace(device, n_rows: int):
     Must happen before a CUDA graph is recorded: under torch.compile(mode="reduce-overhead") a
     workspace first allocated inside the compiled step would land in the graph's private memory
     pool while this module still holds it, which cudagraph trees reject ("tensors in the
-    cudagraph pool not tracked as outputs"). The smallest row block is 32 rows (one warp).
+    cudagraph pool not tracked as outputs"). A row block is 32 rows (one warp).
     """
     _workspace(device, MAX_SPMV_BATCH * n_rows, triton.cdiv(n_rows, 32))
 
 
 def candidate_configs(n_rows: int, n_words: int, batch: int):
-    """(rows per thread, warps, split, words per step) worth timing for a shape.
+    """(slices, words per warp, prefetch) worth timing for a shape.
 
-    The H200 sweeps (docs/KERNEL_NOTES.md) said: thousands of small programs beat a few long
-    ones; 4 and 8 warps tie; 1-2 rows per thread at batch 1. Steps of several words (all of a
-    step's loads in flight at once) measured no faster than one-word steps with prefetch
-    (4096x4096: 12.2 us for 4 words in one step vs 11.4 us) and take ~10x longer to compile,
-    so the autotuner only times one-word steps; `spmv(config=...)` still runs the others.
+    Each warp walks `words per warp` words of 32 rows, `prefetch` words ahead; a program holds
+    `slices` such warps on the same rows (summed in shared memory), and K is split over programs
+    until every word is covered. So the words per warp set how many warps the call has (row
+    blocks x words / words per warp): the candidates span ~1/4 to ~4 waves of the H200's resident
+    warps (132 SMs x up to 64).
     """
-    if INTERPRETING:  # the interpreter is slow: one small config that still splits K
-        return [(1, 1, max(1, min(3, n_words // 2)), 1)]
+    if INTERPRETING:  # the interpreter is slow: one small config that splits K over programs too
+        return [(2, 1, 1)]
+    row_blocks = triton.cdiv(n_rows, 32)
     configs = []
-    for rows_per_thread in (1, 2, 4):
-        if rows_per_thread * batch > 32:  # accumulators would spill
+    for words_per_warp in (2, 4, 8, 16, 32, 64):
+        warps = row_blocks * triton.cdiv(n_words, words_per_warp)
+        if words_per_warp > n_words or not 2000 <= warps <= 40000:
             continue
-        row_blocks = triton.cdiv(n_rows, rows_per_thread * 32 * 4)
-        for target_programs in (1024, 2048, 4096):
-            split = max(1, min(triton.cdiv(target_programs, row_blocks), n_words // 4))
-            if (rows_per_thread, 4, split, 1) not in configs:
-                configs.append((rows_per_thread, 4, split, 1))
-    return configs
+        for slices in (2, 4, 8):
+            if slices * words_per_warp <= n_words:
+                configs += [(slices, words_per_warp, 1), (slices, words_per_warp, 2)]
+    return configs or [(1, 1, 1)]
 
 
 _tuned_configs = {}
@@ -328,37 +383,33 @@ def spmv_config(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor):
 
 
 def spmv(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, config=None, out=None) -> torch.Tensor:
-    """y = x @ W.T for x of shape (batch <= 16, in); W given as (values, mask).
+    """y = x @ W.T for x of shape (batch <= 16, in); W given as (values, mask); y in x's dtype.
 
-    config: (rows per thread, warps, split, words per step) instead of the tuned choice; out: optional
-    (next power of two >= batch, out_features) buffer to write into (tests poison it).
+    config: (slices, words per warp, prefetch) instead of the tuned choice; out: optional (batch,
+    out_features) buffer to write into (tests poison it).
     """
     batch, in_features = x.shape
     n_words, n_rows = mask.shape
     if in_features != n_words * 32 or batch > MAX_SPMV_BATCH:
         raise ValueError(f"spmv: x {tuple(x.shape)} does not fit a packed weight with in_features={n_words * 32}")
-    nnz = values.shape[0] // n_words
+    chunks, _, chunk = values.shape
+    nnz = chunks * chunk // n_words
     if nnz & (nnz - 1):
         raise ValueError(f"spmv needs a power-of-two number of kept weights per 32-bit word, got {nnz}")
-    rows_per_thread, warps, split, words_per_step = config or spmv_config(x, values, mask)
-    words_per_split = words_per_step * triton.cdiv(n_words, split * words_per_step)
-    split = triton.cdiv(n_words, words_per_split)
-    block_rows = rows_per_thread * 32 * warps
-    row_blocks = triton.cdiv(n_rows, block_rows)
-    lanes = triton.next_power_of_2(batch)
-    workspace, arrivals = _workspace(x.device, lanes * n_rows, row_blocks)
-    y = torch.empty(lanes, n_rows, dtype=x.dtype, device=x.device) if out is None else out
-    if batch > 1:
-        # Pair-major float32: element (p, c) holds lanes 2p and 2p+1 of column c (one cast+copy launch).
-        padded = x if batch == lanes else torch.nn.functional.pad(x, (0, 0, 0, lanes - batch))
-        pairs = torch.empty(lanes // 2, in_features, 2, dtype=torch.float32, device=x.device)
-        pairs.transpose(1, 2).copy_(padded.view(lanes // 2, 2, in_features))
-        x = pairs.view(torch.int64).view(lanes // 2, in_features)
+    if values.data_ptr() % 16 or not (values.is_contiguous() and mask.is_contiguous() and x.is_contiguous()):
+        raise ValueError("spmv needs contiguous x, values and mask, with values 16-byte aligned")
+    slices, words_per_warp, prefetch = config or spmv_config(x, values, mask)
+    if prefetch > words_per_warp:
+        raise ValueError(f"spmv: a prefetch of {prefetch} words needs at least as many words per warp")
+    split = triton.cdiv(n_words, slices * words_per_warp)
+    row_blocks = triton.cdiv(n_rows, 32)
+    workspace, arrivals = _workspace(x.device, batch * n_rows, row_blocks)
+    y = torch.empty(batch, n_rows, dtype=x.dtype, device=x.device) if out is None else out
     _spmv_kernel[(row_blocks, split)](
-        x, values, mask, y, workspace, arrivals, n_rows, n_words, words_per_split, in_features,
-        NNZ_PER_WORD=nnz, BATCH=lanes, BLOCK_ROWS=block_rows, WORDS_PER_STEP=words_per_step,
-        ONE_STEP=words_per_split == words_per_step, INTERPRETER_SAFE=INTERPRETING, num_warps=warps)
-    return y[:batch]
+        x, values, mask, y, workspace, arrivals, n_rows, n_words, words_per_warp, batch, in_features,
+        NNZ=nnz, CHUNK=chunk, BATCH=triton.next_power_of_2(batch), SLICES=slices, PREFETCH=prefetch,
+        INTERPRETER_SAFE=INTERPRETING, num_warps=slices)
+    return y
 
 
 def unpack_to_dense(values: torch.Tensor, mask: torch.Tensor, out=None, config=None) -> torch.Tensor:
@@ -367,10 +418,11 @@ def unpack_to_dense(values: torch.Tensor, mask: torch.Tensor, out=None, config=N
     config: (rows, words) per program instead of the default.
     """
     n_words, n_rows = mask.shape
-    nnz = values.shape[0] // n_words
+    chunks, _, chunk = values.shape
+    nnz = chunks * chunk // n_words
     dense = torch.empty(n_rows, n_words * 32, dtype=values.dtype, device=values.device) if out is None else out
     block_rows, words_per_program = config or ((16, 2) if INTERPRETING else (64, 4))
     grid = (triton.cdiv(n_rows, block_rows), triton.cdiv(n_words, words_per_program))
-    _unpack_kernel[grid](values, mask, dense, n_rows, n_words, NNZ_PER_WORD=nnz,
+    _unpack_kernel[grid](values, mask, dense, n_rows, n_words, NNZ_PER_WORD=nnz, CHUNK=chunk,
                          BLOCK_ROWS=block_rows, WORDS_PER_PROGRAM=words_per_program)
     return dense

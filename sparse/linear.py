@@ -19,13 +19,13 @@ from torch import Tensor
 from sparse import kernels, spmm
 from sparse.format import pack, packed_shapes, unpack
 
-# Where the tensor-core SpMM takes over: the SpMV's FMAs grow with the rows of x, the SpMM's
-# expansion does not. Measured on the H200 (docs/KERNEL_NOTES.md, 2026-11-29 22:40 UTC, the four
-# Llama-3.1-8B shapes, 2:4): at 8 and 16 rows the SpMM is faster on every shape (one layer's four
-# calls at 8 rows: 178.7 us against 225.3 us for the SpMV); at 4 rows the SpMV wins overall
-# (143.3 against 168.4 us). 5-7 rows were not timed and stay on the SpMV. Prefill stays
-# expand-to-dense + cuBLAS: the SpMM took 5-6x its time at 2048 tokens.
-SPMM_MIN_ROWS = 8
+# Where the tensor-core SpMM takes over: the SpMV's FMAs and shuffles grow with the rows of x, the
+# SpMM's expansion does not. Measured on the H200 on the four Llama-3.1-8B shapes, 2:4
+# (docs/KERNEL_NOTES.md, v7, 2026-12-01): at 8 rows the SpMV (0.69-0.77x of cuBLAS) beats the SpMM
+# (0.60-0.66x, session 3), at 16 rows the SpMM (0.52-0.63x) beats the SpMV (0.38-0.47x); 9-15 rows
+# were not timed and go to the SpMM. Prefill stays expand-to-dense + cuBLAS: the SpMM took 5-6x its
+# time at 2048 tokens.
+SPMM_MIN_ROWS = 9
 SPMM_PREFILL = False
 
 

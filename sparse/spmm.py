@@ -7,7 +7,8 @@ against a tile of x^T (the token axis padded to the MMA's N = 16, or a token til
 accumulating in fp32. The expansion costs the same whatever the number of tokens:
 
     dense column c of word k of row r:  kept = bit c of the word,
-    rank = popcount(word & ((1 << c) - 1)),  value = values[k * NNZ + rank, r]
+    rank = popcount(word & ((1 << c) - 1)),  value = kept value `rank` of word k of row r
+                                                  (values[k·NNZ/C + rank / C, r, rank % C])
 
 The value is a gather, but it stays inside the 2 * NNZ * BLOCK_OUT bytes the tile's word owns,
 so it is served by L1 after the first touch. Threads own rows and expand their columns in
@@ -51,10 +52,11 @@ def _count_bits(bits, INTERPRETER_SAFE: tl.constexpr):
 
 
 @triton.jit
-def _expand_columns(values_ptr, slot_offsets, words, row_stride, FIRST: tl.constexpr, STRIDE: tl.constexpr,
-                    COUNT: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
+def _expand_columns(values_ptr, slot_offsets, words, chunk_stride, FIRST: tl.constexpr, STRIDE: tl.constexpr,
+                    COUNT: tl.constexpr, CHUNK: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
     """Dense columns FIRST, FIRST + STRIDE, ... (COUNT of them) of the words [R, WORDS] as
-    [R, WORDS, COUNT]. slot_offsets [R, WORDS]: where each word's first value sits in `values`.
+    [R, WORDS, COUNT]. slot_offsets [R, WORDS]: where each word's first value sits in `values`;
+    chunk_stride: the distance between a row's consecutive chunks of CHUNK values (format.py).
 
     Splitting even/odd columns and joining them back puts column bit i in register bit i, so
     every thread holds its row's columns in order (join/reshape only relabel registers).
@@ -64,11 +66,13 @@ def _expand_columns(values_ptr, slot_offsets, words, row_stride, FIRST: tl.const
         # compiler shares that popcount, so the kept test costs one compare, not a shift + test.
         rank = _count_bits(words & ((1 << FIRST) - 1), INTERPRETER_SAFE)
         kept = _count_bits(words & ((2 << FIRST) - 1), INTERPRETER_SAFE) != rank
-        dense = tl.load(values_ptr + (slot_offsets + rank * row_stride), mask=kept, other=0.0)
+        dense = tl.load(values_ptr + (slot_offsets + (rank // CHUNK) * chunk_stride + rank % CHUNK), mask=kept,
+                        other=0.0)
     else:
-        even = _expand_columns(values_ptr, slot_offsets, words, row_stride, FIRST, 2 * STRIDE, COUNT // 2,
+        even = _expand_columns(values_ptr, slot_offsets, words, chunk_stride, FIRST, 2 * STRIDE, COUNT // 2, CHUNK,
                                INTERPRETER_SAFE)
-        odd = _expand_columns(values_ptr, slot_offsets, words, row_stride, FIRST + STRIDE, 2 * STRIDE, COUNT // 2,
+        odd = _expand_columns(values_ptr, slot_offsets, words, chunk_stride, FIRST + STRIDE, 2 * STRIDE, COUNT // 2,
+                              CHUNK,
                               INTERPRETER_SAFE)
         dense = tl.reshape(tl.join(even, odd), (words.shape[0], words.shape[1], COUNT))
     return dense
@@ -88,11 +92,11 @@ def _load_words(mask_ptr, k, k_end, rows, row_ok, n_rows, WORDS: tl.constexpr):
 
 
 @triton.jit
-def _expand_tile(values_ptr, words, k, rows, n_rows, NNZ: tl.constexpr, WORDS: tl.constexpr,
+def _expand_tile(values_ptr, words, k, rows, n_rows, NNZ: tl.constexpr, CHUNK: tl.constexpr, WORDS: tl.constexpr,
                  INTERPRETER_SAFE: tl.constexpr):
     """Dense W[rows, 32k : 32(k + WORDS)] as [R, 32 * WORDS] from the words `_load_words` gave."""
-    slot_offsets = ((k + tl.arange(0, WORDS)) * NNZ * n_rows)[None, :] + rows[:, None]
-    tile = _expand_columns(values_ptr, slot_offsets, words, n_rows, 0, 1, 32, INTERPRETER_SAFE)
+    slot_offsets = (((k + tl.arange(0, WORDS)) * (NNZ // CHUNK) * n_rows)[None, :] + rows[:, None]) * CHUNK
+    tile = _expand_columns(values_ptr, slot_offsets, words, n_rows * CHUNK, 0, 1, 32, CHUNK, INTERPRETER_SAFE)
     return tl.reshape(tile, (rows.shape[0], 32 * WORDS))
 
 
@@ -108,7 +112,7 @@ def _multiply_step(acc, tile, x_ptr, tokens, token_ok, k, k_end, n_words, WORDS:
 @triton.jit
 def _spmm_kernel(x_ptr, values_ptr, mask_ptr, y_ptr, workspace_ptr, arrivals_ptr,
                  n_rows, n_tokens, n_words, words_per_split,
-                 NNZ: tl.constexpr, BLOCK_OUT: tl.constexpr, BLOCK_TOKENS: tl.constexpr, WORDS: tl.constexpr,
+                 NNZ: tl.constexpr, CHUNK: tl.constexpr, BLOCK_OUT: tl.constexpr, BLOCK_TOKENS: tl.constexpr, WORDS: tl.constexpr,
                  INTERPRETER_SAFE: tl.constexpr):
     """y[tokens, rows] = x[tokens] @ W[rows].T, x (n_tokens, 32 * n_words) and y row-major.
     Grid: (row blocks, token blocks, K splits)."""
@@ -123,12 +127,13 @@ def _spmm_kernel(x_ptr, values_ptr, mask_ptr, y_ptr, workspace_ptr, arrivals_ptr
     # Software pipeline: the tile multiplied now was gathered one step ago, from words loaded
     # two steps ago. The last step is peeled off so that no program expands a tile past its end.
     tile = _expand_tile(values_ptr, _load_words(mask_ptr, k_begin, k_end, rows, row_ok, n_rows, WORDS),
-                        k_begin, rows, n_rows, NNZ, WORDS, INTERPRETER_SAFE)
+                        k_begin, rows, n_rows, NNZ, CHUNK, WORDS, INTERPRETER_SAFE)
     next_words = _load_words(mask_ptr, k_begin + WORDS, k_end, rows, row_ok, n_rows, WORDS)
     acc = tl.zeros([BLOCK_OUT, BLOCK_TOKENS], dtype=tl.float32)
     k_last = k_begin + (k_end - k_begin - 1) // WORDS * WORDS
     for k in range(k_begin, k_last, WORDS):
-        next_tile = _expand_tile(values_ptr, next_words, k + WORDS, rows, n_rows, NNZ, WORDS, INTERPRETER_SAFE)
+        next_tile = _expand_tile(values_ptr, next_words, k + WORDS, rows, n_rows, NNZ, CHUNK, WORDS,
+                                 INTERPRETER_SAFE)
         next_words = _load_words(mask_ptr, k + 2 * WORDS, k_end, rows, row_ok, n_rows, WORDS)
         acc = _multiply_step(acc, tile, x_ptr, tokens, token_ok, k, k_end, n_words, WORDS)
         tile = next_tile
@@ -200,7 +205,7 @@ def spmm(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, config=None,
     n_words, n_rows = mask.shape
     if in_features != n_words * 32:
         raise ValueError(f"spmm: x {tuple(x.shape)} does not fit a packed weight with in_features={n_words * 32}")
-    nnz = values.shape[0] // n_words
+    nnz = values.shape[0] * values.shape[2] // n_words
     block_out, block_tokens, words, warps, split = config or spmm_config(x, values, mask)
     if n_tokens > MMA_TOKENS:
         split = 1  # the workspace holds at most 16 token rows; prefill has programs enough anyway
@@ -211,6 +216,6 @@ def spmm(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, config=None,
     y = torch.empty(n_tokens, n_rows, dtype=x.dtype, device=x.device) if out is None else out
     grid = (row_blocks, triton.cdiv(n_tokens, block_tokens), split)
     _spmm_kernel[grid](x, values, mask, y, workspace, arrivals, n_rows, n_tokens, n_words, words_per_split,
-                       NNZ=nnz, BLOCK_OUT=block_out, BLOCK_TOKENS=block_tokens, WORDS=words,
+                       NNZ=nnz, CHUNK=values.shape[2], BLOCK_OUT=block_out, BLOCK_TOKENS=block_tokens, WORDS=words,
                        INTERPRETER_SAFE=INTERPRETING, num_warps=warps)
     return y

@@ -30,8 +30,15 @@ def test_pack_unpack_round_trip(pattern):
 
     keep = keep_largest(weight, pattern)
     assert torch.equal(unpack(values, mask), weight * keep)
-    # Logical format: each row's kept weights in increasing column order; stored transposed.
-    assert torch.equal(values.t(), weight[keep].reshape(48, -1))
+    # Logical format: each row's kept weights in increasing column order. Physical layout:
+    # values[k·nnz/C + c, r, j] is kept value c·C + j of row r in word k.
+    kept_in_order = weight[keep].reshape(48, -1)
+    chunks, _, chunk = values.shape
+    nnz = 32 * n // m
+    for row, word, index in [(0, 0, 0), (5, 2, nnz - 1), (47, 4, nnz // 2)]:
+        c, j = divmod(index, chunk)
+        assert values[word * (nnz // chunk) + c, row, j] == kept_in_order[row, word * nnz + index]
+    assert torch.equal(values.permute(1, 0, 2).reshape(48, -1), kept_in_order)
     # Bit j of word k of row r <-> column 32k + j.
     row, col = 5, 77
     assert bool((int(mask[col // 32, row]) >> (col % 32)) & 1) == bool(keep[row, col])

@@ -27,18 +27,17 @@ CASES = [(p, b) for p in PATTERNS for b in (1, 3)] + [("2:4", 16), ("16:32", 8),
 @interpreted
 @pytest.mark.parametrize("pattern,batch", CASES)
 def test_spmv_matches_float64(pattern, batch):
-    # 37 rows: not a multiple of the 32-row tile. 96 columns = 3 words, split 2 + 1 words per
-    # program: in_features a multiple of 32 but not of the split-K tile.
+    # 37 rows: not a multiple of the 32-row block. 96 columns = 3 words, which no config below
+    # divides evenly: in_features a multiple of 32 but not of the words a program covers.
     seed = case_seed(pattern, batch)
     values, mask = random_packed(37, 96, pattern, seed)
     reference_weight = unpack(values, mask).double()
-    # (rows per thread, warps, split, words per step): one word per step; a 2-word step whose
-    # second word is past the end; a split of 2 words in 2 steps; 4 words covering all 3.
-    configs = [(1, 1, 1, 1), (1, 1, 2, 2), (1, 1, 2, 1)] + ([(2, 1, 3, 1), (1, 1, 1, 4)] if batch == 1 else [])
-    for config in configs:
-        x = torch.randn(batch, 96, generator=torch.Generator().manual_seed(seed + config[2] + 10 * config[3]))
-        lanes = 1 << (batch - 1).bit_length()
-        out = torch.full((lanes, 37), float("nan"))  # poisoned: an unwritten element fails
+    # (slices, words per warp, prefetch): one warp walking all 3 words one and two ahead; 2
+    # slices of 2 words (the last word past the end); 2 slices of 1 word split over 2 programs.
+    configs = [(1, 3, 1), (1, 3, 2), (2, 2, 2), (2, 1, 1)] + ([(1, 1, 1), (4, 1, 1)] if batch == 1 else [])
+    for i, config in enumerate(configs):
+        x = torch.randn(batch, 96, generator=torch.Generator().manual_seed(seed + i))
+        out = torch.full((batch, 37), float("nan"))  # poisoned: an unwritten element fails
         y = kernels.spmv(x, values, mask, config=config, out=out)
         assert y.shape == (batch, 37)
         assert relative_error(y, x.double() @ reference_weight.T) < 1e-6, config
@@ -47,12 +46,13 @@ def test_spmv_matches_float64(pattern, batch):
 
 
 @interpreted
-def test_spmv_bfloat16():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_spmv_16_bit(dtype):
     values, mask = random_packed(40, 64, "2:4", 7)
-    values = values.bfloat16()
-    x = torch.randn(1, 64).bfloat16()
-    y = kernels.spmv(x, values, mask, config=(1, 1, 2, 1))
-    assert y.dtype == torch.bfloat16
+    values = values.to(dtype)
+    x = torch.randn(2, 64).to(dtype)
+    y = kernels.spmv(x, values, mask, config=(2, 1, 1))
+    assert y.dtype == dtype
     assert relative_error(y, x.double() @ unpack(values, mask).double().T) < 1e-2
 
 
@@ -72,3 +72,41 @@ def test_sparse_linear_dispatch_under_interpreter():
     for rows in [1, 5, 17]:  # spmv, small batch, prefill (dense expansion + F.linear)
         x = torch.randn(1, rows, 64)
         assert relative_error(layer(x), x.double() @ dense.T) < 1e-6
+
+
+# ---------------------------------------------------------------- GPU: the fast path (inline PTX)
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("out_features,in_features", [(6144, 4096), (4096, 14336), (28672, 4096)])
+@pytest.mark.parametrize("batch", [1, 3, 4, 16])
+def test_gpu_spmv_every_candidate_config(out_features, in_features, batch):
+    # Every config the autotuner may pick, not only the one it picks on this GPU.
+    values, mask = random_packed(out_features, in_features, "2:4", batch, device="cuda", dtype=torch.bfloat16)
+    reference_weight = unpack(values, mask).double()
+    for config in kernels.candidate_configs(out_features, in_features // 32, batch):
+        x = torch.randn(batch, in_features, device="cuda", dtype=torch.bfloat16)
+        out = torch.full((batch, out_features), float("nan"), device="cuda", dtype=torch.bfloat16)
+        y = kernels.spmv(x, values, mask, config=config, out=out)
+        assert relative_error(y, x.double() @ reference_weight.T) < 1e-2, config
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype,bound", [(torch.float32, 1e-5), (torch.float16, 2e-3), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("pattern", ["16:32", "1:4"])
+def test_gpu_spmv_dtypes_and_ragged_shapes(dtype, bound, pattern):
+    # 100 rows and 11 words: neither a multiple of the 32-row block nor of any config's words.
+    values, mask = random_packed(100, 352, pattern, 5, device="cuda", dtype=dtype)
+    reference_weight = unpack(values, mask).double()
+    for config in [(1, 1, 1), (2, 3, 2), (4, 2, 1), (8, 1, 1), (1, 11, 2)]:
+        for batch in (1, 2, 5):
+            x = torch.randn(batch, 352, device="cuda", dtype=dtype)
+            out = torch.full((batch, 100), float("nan"), device="cuda", dtype=dtype)
+            y = kernels.spmv(x, values, mask, config=config, out=out)
+            assert relative_error(y, x.double() @ reference_weight.T) < bound, (config, batch)
+            workspace, arrivals = kernels._workspace(x.device, 0, 0)
+            assert not workspace.any() and not arrivals.any(), "split-K must leave its workspace zeroed"
