@@ -161,10 +161,13 @@ def sweep(shapes=SWEEP_SHAPES, batches=(1, 4, 16)) -> list:
             x = torch.randn(batch, in_features, device="cuda", dtype=torch.bfloat16)
             dense_us = time_per_call([lambda w=w: F.linear(x, w) for w in weights], replays=7)
             rows.append(dict(out=out_features, inp=in_features, batch=batch, dense=True, us=dense_us))
+            reference = F.linear(x.double(), kernels.unpack_to_dense(values, mask).double())
             for config in kernels.candidate_configs(out_features, n_words, batch):
+                error = float((sparse_call(x, values, mask, config)().double() - reference).norm() / reference.norm())
                 us = time_per_call([sparse_call(x, v, m, config) for v, m in packed], replays=7)
-                rows.append(dict(out=out_features, inp=in_features, batch=batch, config=config, us=us))
-                print(f"{out_features}x{in_features} b{batch} {config}: {us:.1f} us", flush=True)
+                rows.append(dict(out=out_features, inp=in_features, batch=batch, config=config, us=us, error=error))
+                print(f"{out_features}x{in_features} b{batch} {config}: {us:.1f} us, relative error {error:.1e}"
+                      f"{'  WRONG' if not error < 1e-2 else ''}", flush=True)
             tuned = kernels.spmv_config(x, values, mask)
             rows.append(dict(out=out_features, inp=in_features, batch=batch, config=tuned, tuned=True,
                              us=time_per_call([sparse_call(x, v, m) for v, m in packed])))
@@ -180,8 +183,9 @@ def sweep(shapes=SWEEP_SHAPES, batches=(1, 4, 16)) -> list:
 
 
 def sweep_summary(rows: list) -> str:
-    """One line per (shape, batch): cuBLAS, the best config, the tuned one, the safe path."""
-    best, dense, tuned, safe = {}, {}, {}, {}
+    """One line per (shape, batch): cuBLAS, the best correct config, the tuned one, the safe path;
+    then any config whose output was wrong."""
+    best, dense, tuned, safe, wrong = {}, {}, {}, {}, []
     for r in rows:
         key = (r["out"], r["inp"], r["batch"])
         if r.get("dense"):
@@ -190,6 +194,8 @@ def sweep_summary(rows: list) -> str:
             tuned[key] = r
         elif r.get("safe_scan"):
             safe[key] = r["us"]
+        elif not r.get("error", 0) < 1e-2:
+            wrong.append(f"{key} {r['config']}: relative error {r.get('error')}")
         elif key not in best or r["us"] < best[key]["us"]:
             best[key] = r
     lines = ["| out×in | batch | cuBLAS µs | best config | best µs | speedup | tuned config | tuned µs | speedup | safe path µs |",
@@ -199,6 +205,7 @@ def sweep_summary(rows: list) -> str:
         lines.append(f"| {key[0]}×{key[1]} | {key[2]} | {dense[key]:.1f} | {b['config']} | {b['us']:.1f} | "
                      f"{dense[key] / b['us']:.2f}× | {t['config']} | {t['us']:.1f} | {dense[key] / t['us']:.2f}× | "
                      f"{safe_us} |")
+    lines += [f"WRONG (excluded): {w}" for w in wrong]
     return "\n".join(lines)
 
 

@@ -66,14 +66,14 @@ def loop_instructions_in_order(sass: str):
 
 
 def compile_spmv(kernels, batch: int, slices: int, prefetch: int, nnz_per_word: int = 16,
-                 dtype: str = "bf16") -> dict:
+                 dtype: str = "bf16", even_k: bool = True) -> dict:
     """Compile the SpMV for sm_90a and count its machine code; one loop trip = one mask word of
     one row per thread, so per kept weight = loop instructions / nnz_per_word."""
     signature = {"x_ptr": f"*{dtype}", "values_ptr": f"*{dtype}", "mask_ptr": "*i32", "y_ptr": f"*{dtype}",
                  "workspace_ptr": "*fp32", "arrivals_ptr": "*i32", "n_rows": "i32", "n_words": "i32",
                  "words_per_warp": "i32", "batch_rows": "i32", "in_features": "i32"}
     constants = dict(NNZ=nnz_per_word, CHUNK=min(8, nnz_per_word), BATCH=batch, SLICES=slices, PREFETCH=prefetch,
-                     INTERPRETER_SAFE=False)
+                     EVEN_K=even_k, INTERPRETER_SAFE=False)
     signature.update({name: "constexpr" for name in constants})
     compiled = triton.compile(ASTSource(fn=kernels._spmv_kernel, signature=signature, constexprs=constants),
                               target=GPUTarget("cuda", 90, 32), options={"num_warps": slices})

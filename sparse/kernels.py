@@ -150,17 +150,20 @@ def _multiply(acc, word, tile, x_lanes, valid, DTYPE: tl.constexpr, INTERPRETER_
 
 @triton.jit
 def _load_word(x_ptr, values_u32, mask_u32, k, rows, lane, n_rows, n_words, in_features, batch_rows,
-               CHUNKS: tl.constexpr, U32_PER_CHUNK: tl.constexpr, BATCH: tl.constexpr,
+               CHUNKS: tl.constexpr, U32_PER_CHUNK: tl.constexpr, BATCH: tl.constexpr, EVEN_K: tl.constexpr,
                INTERPRETER_SAFE: tl.constexpr):
     """What a thread needs to multiply word k of its row: (word ready to scan, values, x lanes, valid).
 
-    A word past the end reads the last word again and multiplies it by zero. x is read through L1:
-    every warp on the SM reads the same x."""
-    valid = k < n_words
-    k = tl.minimum(k, n_words - 1)
+    Unless EVEN_K (the programs' words cover K exactly), a word past the end reads the last word
+    again and multiplies it by zero. x is read through L1: every warp on the SM reads the same x."""
+    if EVEN_K:
+        valid = k >= 0  # always true; without clamping, the compiler steps the addresses by a constant
+    else:
+        valid = k < n_words
+        k = tl.minimum(k, n_words - 1)
     word = _prepare_word(_load_u32(mask_u32 + k * n_rows + rows, 1, INTERPRETER_SAFE)[0], INTERPRETER_SAFE)
-    tile = _load_u32(values_u32 + (k * CHUNKS * n_rows + rows) * U32_PER_CHUNK, U32_PER_CHUNK, INTERPRETER_SAFE)
-    for c in tl.static_range(1, CHUNKS):
+    tile = ()
+    for c in tl.static_range(CHUNKS):
         tile = tile + _load_u32(values_u32 + ((k * CHUNKS + c) * n_rows + rows) * U32_PER_CHUNK, U32_PER_CHUNK,
                                 INTERPRETER_SAFE)
     X_DTYPE: tl.constexpr = x_ptr.dtype.element_ty
@@ -177,7 +180,8 @@ def _load_word(x_ptr, values_u32, mask_u32, k, rows, lane, n_rows, n_words, in_f
             else:
                 bits = tl.inline_asm_elementwise("ld.global.ca.u16 $0, [$1];", "=r,l", [chunk + lane],
                                                  dtype=tl.uint32, is_pure=True, pack=1)
-            x_lanes = x_lanes + (tl.where(valid, _to_float(bits, X_DTYPE).to(tl.uint32, bitcast=True), 0), )
+            bits = _to_float(bits, X_DTYPE).to(tl.uint32, bitcast=True)
+            x_lanes = x_lanes + (bits if EVEN_K else tl.where(valid, bits, 0), )
     return word, tile, x_lanes, valid
 
 
@@ -197,7 +201,7 @@ def _join_lanes(acc, FIRST: tl.constexpr, COUNT: tl.constexpr):
 def _spmv_kernel(x_ptr, values_ptr, mask_ptr, y_ptr, workspace_ptr, arrivals_ptr,
                  n_rows, n_words, words_per_warp, batch_rows, in_features,
                  NNZ: tl.constexpr, CHUNK: tl.constexpr, BATCH: tl.constexpr, SLICES: tl.constexpr,
-                 PREFETCH: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
+                 PREFETCH: tl.constexpr, EVEN_K: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
     """y[:batch_rows, rows] = x @ W[rows].T for the 32 rows of this program's row block.
 
     Grid (row blocks, K splits); SLICES warps per program, warp s walking words_per_warp words
@@ -219,15 +223,16 @@ def _spmv_kernel(x_ptr, values_ptr, mask_ptr, y_ptr, workspace_ptr, arrivals_ptr
     # Software pipeline, PREFETCH words deep: word i + PREFETCH's loads are issued before word i
     # is multiplied.
     word, tile, x_lanes, valid = _load_word(x_ptr, values_u32, mask_u32, k_first, rows, lane, n_rows, n_words,
-                                            in_features, batch_rows, CHUNKS, U32_PER_CHUNK, BATCH, INTERPRETER_SAFE)
+                                            in_features, batch_rows, CHUNKS, U32_PER_CHUNK, BATCH, EVEN_K,
+                                            INTERPRETER_SAFE)
     if PREFETCH == 2:
         word1, tile1, x_lanes1, valid1 = _load_word(x_ptr, values_u32, mask_u32, k_first + 1, rows, lane, n_rows,
                                                     n_words, in_features, batch_rows, CHUNKS, U32_PER_CHUNK, BATCH,
-                                                    INTERPRETER_SAFE)
+                                                    EVEN_K, INTERPRETER_SAFE)
     for i in range(PREFETCH, words_per_warp):
         next_word, next_tile, next_x, next_valid = _load_word(
             x_ptr, values_u32, mask_u32, k_first + i, rows, lane, n_rows, n_words, in_features, batch_rows,
-            CHUNKS, U32_PER_CHUNK, BATCH, INTERPRETER_SAFE)
+            CHUNKS, U32_PER_CHUNK, BATCH, EVEN_K, INTERPRETER_SAFE)
         acc = _multiply(acc, word, tile, x_lanes, valid, DTYPE, INTERPRETER_SAFE)
         if PREFETCH == 2:
             word, tile, x_lanes, valid = word1, tile1, x_lanes1, valid1
@@ -342,19 +347,21 @@ def candidate_configs(n_rows: int, n_words: int, batch: int):
     `slices` such warps on the same rows (summed in shared memory), and K is split over programs
     until every word is covered. So the words per warp set how many warps the call has (row
     blocks x words / words per warp): the candidates span ~1/4 to ~4 waves of the H200's resident
-    warps (132 SMs x up to 64).
+    warps (132 SMs x up to 64). Programs that cover all of K in their slices (up to 32 warps)
+    need no split-K epilogue (atomics, arrival counter), which counts on the small matrices.
     """
     if INTERPRETING:  # the interpreter is slow: one small config that splits K over programs too
         return [(2, 1, 1)]
     row_blocks = triton.cdiv(n_rows, 32)
-    configs = []
+    shapes = []
     for words_per_warp in (2, 4, 8, 16, 32, 64):
         warps = row_blocks * triton.cdiv(n_words, words_per_warp)
-        if words_per_warp > n_words or not 2000 <= warps <= 40000:
-            continue
-        for slices in (2, 4, 8):
-            if slices * words_per_warp <= n_words:
-                configs += [(slices, words_per_warp, 1), (slices, words_per_warp, 2)]
+        if words_per_warp <= n_words and 2000 <= warps <= 40000:
+            shapes += [(slices, words_per_warp) for slices in (2, 4, 8) if slices * words_per_warp <= n_words]
+    for slices in (8, 16, 32):  # whole K in one program
+        if n_words % slices == 0 and n_words // slices >= 2 and 2000 <= row_blocks * slices <= 40000:
+            shapes.append((slices, n_words // slices))
+    configs = [(slices, words, prefetch) for slices, words in dict.fromkeys(shapes) for prefetch in (1, 2)]
     return configs or [(1, 1, 1)]
 
 
@@ -408,7 +415,7 @@ def spmv(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, config=None,
     _spmv_kernel[(row_blocks, split)](
         x, values, mask, y, workspace, arrivals, n_rows, n_words, words_per_warp, batch, in_features,
         NNZ=nnz, CHUNK=chunk, BATCH=triton.next_power_of_2(batch), SLICES=slices, PREFETCH=prefetch,
-        INTERPRETER_SAFE=INTERPRETING, num_warps=slices)
+        EVEN_K=n_words % (slices * words_per_warp) == 0, INTERPRETER_SAFE=INTERPRETING, num_warps=slices)
     return y
 
 

@@ -82,7 +82,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("out_features,in_features", [(6144, 4096), (4096, 14336), (28672, 4096)])
-@pytest.mark.parametrize("batch", [1, 3, 4, 16])
+@pytest.mark.parametrize("batch", [1, 3])
 def test_gpu_spmv_every_candidate_config(out_features, in_features, batch):
     # Every config the autotuner may pick, not only the one it picks on this GPU.
     values, mask = random_packed(out_features, in_features, "2:4", batch, device="cuda", dtype=torch.bfloat16)
@@ -102,8 +102,8 @@ def test_gpu_spmv_dtypes_and_ragged_shapes(dtype, bound, pattern):
     # 100 rows and 11 words: neither a multiple of the 32-row block nor of any config's words.
     values, mask = random_packed(100, 352, pattern, 5, device="cuda", dtype=dtype)
     reference_weight = unpack(values, mask).double()
-    for config in [(1, 1, 1), (2, 3, 2), (4, 2, 1), (8, 1, 1), (1, 11, 2)]:
-        for batch in (1, 2, 5):
+    for config in [(1, 11, 2), (2, 3, 2), (8, 1, 1)]:  # whole K in one warp; a tail word; split K
+        for batch in (1, 5):
             x = torch.randn(batch, 352, device="cuda", dtype=dtype)
             out = torch.full((batch, 100), float("nan"), device="cuda", dtype=dtype)
             y = kernels.spmv(x, values, mask, config=config, out=out)
