@@ -9,6 +9,8 @@ Layout choices that other modules rely on:
 - RoPE rotates the two halves of each head (Hugging Face's `rotate_half` layout), so HF weights
   load unchanged; GGUF and llama2.c weights (interleaved pairs) are permuted on import.
 - Every linear layer is a plain `nn.Linear`; `sparse.linear.swap_to_sparse` replaces them.
+- On CUDA a decode step (one query per sequence) attends through decode_attention.py's Triton
+  kernels; everything else (prefill, CPU) through `F.scaled_dot_product_attention`.
 """
 import math
 from dataclasses import asdict, dataclass, field
@@ -18,6 +20,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
+
+import decode_attention
 
 
 @dataclass
@@ -214,7 +218,11 @@ class Attention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
         if self.kv_cache is not None:  # None: a teacher-forced pass over whole sequences (prune/ replays blocks this way)
             k, v = self.kv_cache.update(input_pos, k, v)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_head != self.n_local_heads)
+        if T == 1 and q.is_cuda and self.kv_cache is not None and decode_attention.supports(self.head_dim):
+            # A decode step: flash-decoding kernels (decode_attention.py says why not SDPA here).
+            y = decode_attention.decode_attention(q[:, :, 0], k, v, mask[:, 0, 0]).unsqueeze(2)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_head != self.n_local_heads)
         return self.wo(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
 
 

@@ -14,11 +14,12 @@
 #   kernel_sweep_b1 the same sweep at batch 1 on all 16 shapes of the kernel table, with cuBLAS (~2)
 #   kernel_sweep_batches  the sweep at batch 4, 8 and 16 on the four Llama-3.1-8B shapes (~2)
 #   sparse_gpu_tests  pytest -m gpu over the sparse/ modules' tests only (~2)
+#   decode_gpu_tests  pytest -m gpu over the SpMV, SparseLinear, decode attention and generate tests (~3)
 #   kernel_ncu      Nsight Compute (full set, SASS source page with stall samples) of the tuned batch-1
 #                   SpMV on 4096x4096, 28672x4096 and 4096x14336 (~2)
 #   spmm            gpu_spmm_check.sh bench: tensor-core SpMM vs SpMV vs cuBLAS (~3)
 #   decode_b1       Llama-3.1-8B dense + GPT-Fast (needs .gptfast carried) + 2:4..16:32, --profile (~7)
-#   decode_b1_ours  the same without GPT-Fast, patterns dense, 2:4 and 16:32 (~4)
+#   decode_b1_ours  the same without GPT-Fast, dense and 2:4 only (~4)
 #   decode_batches  Llama-3.1-8B dense and 2:4 at batch 4 and 8 (~8)
 #   decode_qwen3    Qwen3-8B and -14B, dense and 2:4, batch 1 (~9); Qwen3-32B is a job of its own:
 #   decode_qwen3_32b
@@ -47,10 +48,11 @@ declare -A JOBS=(
   [kernel_sweep_b1]="python3 scripts/bench_kernel.py --sweep --sweep-shapes all --sweep-batches 1 --out-json \$JOB/sweep.json --out-md \$JOB/sweep.md"
   [kernel_sweep_batches]="python3 scripts/bench_kernel.py --sweep --sweep-shapes 6144x4096,4096x4096,28672x4096,4096x14336 --sweep-batches 4,8,16 --out-json \$JOB/sweep.json --out-md \$JOB/sweep.md"
   [sparse_gpu_tests]="python3 -m pytest -v -m gpu tests/test_sparse_kernels.py tests/test_sparse_linear.py tests/test_sparse_spmm.py"
+  [decode_gpu_tests]="python3 -m pytest -v -m gpu tests/test_sparse_kernels.py tests/test_sparse_linear.py tests/test_decode_attention.py tests/test_generate.py"
   [kernel_ncu]="ncu --clock-control none --nvtx --nvtx-include 'spmv/' --set full --import-source yes -o \$JOB/spmv python3 scripts/bench_kernel.py --ncu-shapes 4096x4096,28672x4096,4096x14336 --out-json \$JOB/targets.json && ncu -i \$JOB/spmv.ncu-rep --page details --csv > \$JOB/details.csv && ncu -i \$JOB/spmv.ncu-rep --page source --print-source sass --csv > \$JOB/source_sass.csv"
   [spmm]="env OUT=\$JOB bash scripts/gpu_spmm_check.sh bench"
   [decode_b1]="env GPTFAST_PROFILE=\$JOB/profile_gptfast.txt $DECODE --models Llama-3.1-8B --patterns dense,2:4,4:8,8:16,16:32 --batch_sizes 1 --profile --gptfast .gptfast --gptfast_timeout_s 240 --out \$JOB"
-  [decode_b1_ours]="$DECODE --models Llama-3.1-8B --patterns dense,2:4,16:32 --batch_sizes 1 --profile --out \$JOB"
+  [decode_b1_ours]="$DECODE --models Llama-3.1-8B --patterns dense,2:4 --batch_sizes 1 --profile --out \$JOB"
   [decode_batches]="$DECODE --models Llama-3.1-8B --patterns dense,2:4 --batch_sizes 4,8 --deadline_s 500 --out \$JOB"
   [decode_qwen3]="$DECODE --models Qwen3-8B,Qwen3-14B --patterns dense,2:4 --batch_sizes 1 --out \$JOB"
   [decode_qwen3_32b]="$DECODE --models Qwen3-32B --patterns dense,2:4 --batch_sizes 1 --deadline_s 500 --out \$JOB"
