@@ -304,12 +304,12 @@ def main():
                           f"dense {row['dense_us']:.1f} -> {row['speedup']:.2f}x  semi {row.get('semi_us')} "
                           f"{row.get('semi_error') or ''}", flush=True)
                     torch.cuda.empty_cache()
-    table = markdown_table(rows)
-    if args.out_md:
-        args.out_md.write_text(table)
-    if args.out_json:
-        args.out_json.write_text(json.dumps(rows, indent=1))
-    print(table)
+                    # Written after every row: a run cut off by its time limit keeps what it measured.
+                    if args.out_md:
+                        args.out_md.write_text(markdown_table(rows))
+                    if args.out_json:
+                        args.out_json.write_text(json.dumps(rows, indent=1))
+    print(markdown_table(rows))
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@
 # Jobs (name: what, rough minutes on an idle H200 incl. compiles):
 #   gpu_tests       pytest -m gpu over every module with GPU tests (~3; the SpMV autotuner compiles per shape)
 #   kernel_table    bench_kernel.py: the issue-3 table, 16 shapes x batch 1/4/8/16/2048 (~4)
+#   kernel_table_b1_prefill  the same table at batch 1 and the 2048-token prefill only (~5)
 #   kernel_sweep    bench_kernel.py --sweep on the Llama-3.1-8B and Qwen3-14B shapes at batch 1 and 4 (~4)
 #   kernel_sweep_b1 the same sweep at batch 1 on all 16 shapes of the kernel table, with cuBLAS (~2)
 #   kernel_sweep_batches  the sweep at batch 4, 8 and 16 on the four Llama-3.1-8B shapes (~2)
@@ -43,6 +44,7 @@ DECODE="python3 scripts/bench_decode.py"
 PRUNE_8B="python3 scripts/bench_prune.py --model Llama-3.1-8B --batch_size 128 --max_new_tokens 512 --prompt_lengths 64:512 --no_write --json \$JOB/bench_prune.json"
 declare -A JOBS=(
   [gpu_tests]="python3 -m pytest -v -m gpu tests"
+  [kernel_table_b1_prefill]="python3 scripts/bench_kernel.py --batches 2048,1 --out-md \$JOB/table.md --out-json \$JOB/bench.json"
   [kernel_table]="python3 scripts/bench_kernel.py --out-md \$JOB/table.md --out-json \$JOB/bench.json"
   [kernel_sweep]="python3 scripts/bench_kernel.py --sweep --sweep-shapes 6144x4096,4096x4096,28672x4096,4096x14336,7168x5120,5120x5120,34816x5120,5120x17408 --sweep-batches 1,4 --out-json \$JOB/sweep.json"
   [kernel_sweep_b1]="python3 scripts/bench_kernel.py --sweep --sweep-shapes all --sweep-batches 1 --out-json \$JOB/sweep.json --out-md \$JOB/sweep.md"
