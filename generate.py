@@ -49,9 +49,12 @@ def load_model(checkpoint_path, device="cuda", dtype=torch.bfloat16) -> Transfor
     with torch.device("meta"):  # no memory is touched until load_state_dict hands over the tensors
         model = Transformer(config)
     sparsity = metadata.get("sparsity") or {}
-    if sparsity.get("format") == "bitmask-v1":
+    if sparsity.get("format") in ("bitmask-v1", "bitmask-v2"):
         import sparse  # only packed checkpoints need the kernels
 
+        if sparsity["format"] == "bitmask-v1":  # the values' older layout (sparse/format.py)
+            state_dict = {name: sparse.format.values_from_v1(tensor, state_dict[name[:-len("values")] + "mask"])
+                          if name.endswith(".values") else tensor for name, tensor in state_dict.items()}
         sparse.swap_linears_for_state_dict(model, state_dict, sparsity["pattern"])
     elif sparsity.get("format") not in (None, "dense-zeros"):
         raise CheckpointError(f"checkpoint {checkpoint_path} has unknown sparsity format '{sparsity.get('format')}'")

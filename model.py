@@ -13,7 +13,7 @@ Layout choices that other modules rely on:
   kernels; everything else (prefill, CPU) through `F.scaled_dot_product_attention`.
 """
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Optional
 
 import torch

@@ -53,7 +53,7 @@ from prune.magnitude import magnitude_prune
 from prune.sparsegpt import sparsegpt_prune
 from prune.wanda import wanda_prune
 from sparse import is_unstructured, pack, parse_pattern, validate
-from sparse.format import packed_shapes
+from sparse.format import FORMAT as BITMASK_FORMAT, packed_shapes
 
 BLOCK_LINEARS = ("attention.wqkv", "attention.wo", "feed_forward.w13", "feed_forward.w2")  # forward order
 
@@ -304,7 +304,7 @@ def prune_model(checkpoint, calibration: CalibrationSet, method: str, pattern: s
 def pruned_metadata(result: PruneResult, calibration: CalibrationSet, method, pattern, one_shot, device) -> dict:
     """What a pruned checkpoint records about its pruning (the caller adds where it came from)."""
     return dict(
-        sparsity=dict(pattern=pattern, format="dense-zeros" if is_unstructured(pattern) else "bitmask-v1",
+        sparsity=dict(pattern=pattern, format="dense-zeros" if is_unstructured(pattern) else BITMASK_FORMAT,
                       layers=result.names),
         method=method,
         calibration=dict(calibration.info, counted_tokens=calibration.counted_tokens,

@@ -6,10 +6,11 @@ For every linear shape of Llama-3.1-8B, Qwen3-14B, Qwen3-32B and Llama-3.3-70B, 
 packed bytes over the fastest read bandwidth cuBLAS reached in the same run: a device copy,
 which also writes, measured only 2.77 TB/s here while GEMV streams read 4.18).
 
-Timing: each measured call is recorded many times into one CUDA graph, rotating over enough
-copies of the weights that they cannot sit in the 60 MB L2; the graph is replayed and the median
-replay time divided by the calls in it. Launch gaps inside a graph are what a compiled decode
-step sees, so they are part of the number (batch > 1 includes the launch that lays x out by column).
+Timing (kernels.time_in_cuda_graph, which the SpMV autotuner uses too): each measured call is
+recorded many times into one CUDA graph, rotating over enough copies of the weights that they
+cannot sit in the 60 MB L2; the graph is replayed and the median replay time divided by the calls
+in it. Launch gaps inside a graph are what a compiled decode step sees, so they are part of the
+number.
 
 The kernel does not depend on the pattern at 16 kept bits per word, so the table times 2:4 (the one
 torch's format can also run); `--patterns` times others. Correctness is checked by the GPU tests.
@@ -20,7 +21,6 @@ torch's format can also run); `--patterns` times others. Correctness is checked 
 """
 import argparse
 import json
-import math
 import statistics
 import sys
 from pathlib import Path
@@ -40,43 +40,7 @@ SHAPES = {  # (layer, out_features, in_features); qkv and w13 fused as in model.
     "Llama-3.3-70B": [("qkv", 10240, 8192), ("o", 8192, 8192), ("w13", 57344, 8192), ("w2", 8192, 28672)],
 }
 SWEEP_SHAPES = [(4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336), (57344, 8192)]
-L2_BYTES = 60e6
 PREFILL = 2048
-
-
-def time_per_call(calls, target_ms: float = 3.0, replays: int = 15) -> float:
-    """Median microseconds per call, replaying a CUDA graph that runs `calls` round-robin."""
-    for call in calls:  # warm-up: compilation, workspaces
-        call()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for call in calls:
-        call()
-    end.record()
-    end.synchronize()
-    estimate_ms = start.elapsed_time(end) / len(calls)
-    loops = max(1, min(200, round(target_ms / max(estimate_ms, 1e-3) / len(calls))))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(loops):
-            for call in calls:
-                call()
-    graph.replay()
-    times = []
-    for _ in range(replays):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    del graph
-    return statistics.median(times) * 1000 / (loops * len(calls))
-
-
-def copies_for(nbytes: int) -> int:
-    """Copies of an operand so that rotating through them always misses the L2."""
-    return max(1, math.ceil(3 * L2_BYTES / nbytes))
 
 
 def random_weight(out_features: int, in_features: int) -> torch.Tensor:
@@ -124,11 +88,11 @@ def bench_shape(out_features, in_features, batch, pattern, with_semi=True) -> di
     io_bytes = batch * (in_features + out_features) * 2
     x = torch.randn(batch, in_features, device="cuda", dtype=torch.bfloat16)
 
-    packed = [(values, mask)] + [(values.clone(), mask.clone()) for _ in range(copies_for(sparse_bytes) - 1)]
-    sparse_us = time_per_call([sparse_call(x, v, m) for v, m in packed])
+    packed = [(values, mask)] + [(values.clone(), mask.clone()) for _ in range(kernels.copies_for(sparse_bytes) - 1)]
+    sparse_us = kernels.time_in_cuda_graph([sparse_call(x, v, m) for v, m in packed])
     del packed
-    weights = [weight] + [weight.clone() for _ in range(copies_for(dense_bytes) - 1)]
-    dense_us = time_per_call([lambda w=w: F.linear(x, w) for w in weights])
+    weights = [weight] + [weight.clone() for _ in range(kernels.copies_for(dense_bytes) - 1)]
+    dense_us = kernels.time_in_cuda_graph([lambda w=w: F.linear(x, w) for w in weights])
     del weights
     row = dict(out=out_features, inp=in_features, batch=batch, pattern=pattern,
                sparse_us=sparse_us, dense_us=dense_us, speedup=dense_us / sparse_us,
@@ -136,10 +100,10 @@ def bench_shape(out_features, in_features, batch, pattern, with_semi=True) -> di
                dense_gbps=(dense_bytes + io_bytes) / dense_us / 1e3, sparse_bytes=sparse_bytes + io_bytes)
     if batch > kernels.MAX_SPMV_BATCH:
         expand_calls = [lambda: kernels.unpack_to_dense(values, mask)]
-        row["expand_us"] = time_per_call(expand_calls)
+        row["expand_us"] = kernels.time_in_cuda_graph(expand_calls)
     if with_semi and pattern == "2:4":
         weight_24 = kernels.unpack_to_dense(values, mask)
-        semi_us, semi_error = semi_structured_time(weight_24, x, copies_for(sparse_bytes))
+        semi_us, semi_error = semi_structured_time(weight_24, x, kernels.copies_for(sparse_bytes))
         row["semi_us"], row["semi_error"] = semi_us, semi_error
         row["speedup_vs_semi"] = semi_us / sparse_us if semi_us else None
     return row
@@ -155,26 +119,26 @@ def sweep(shapes=SWEEP_SHAPES, batches=(1, 4, 16)) -> list:
         values, mask = pack(weight, "2:4")
         n_words = in_features // 32
         packed = [(values, mask)] + [(values.clone(), mask.clone())
-                                     for _ in range(copies_for(values.numel() * 2 + mask.numel() * 4) - 1)]
-        weights = [weight] + [weight.clone() for _ in range(copies_for(weight.numel() * 2) - 1)]
+                                     for _ in range(kernels.copies_for(values.numel() * 2 + mask.numel() * 4) - 1)]
+        weights = [weight] + [weight.clone() for _ in range(kernels.copies_for(weight.numel() * 2) - 1)]
         for batch in batches:
             x = torch.randn(batch, in_features, device="cuda", dtype=torch.bfloat16)
-            dense_us = time_per_call([lambda w=w: F.linear(x, w) for w in weights], replays=7)
+            dense_us = kernels.time_in_cuda_graph([lambda w=w: F.linear(x, w) for w in weights], replays=7)
             rows.append(dict(out=out_features, inp=in_features, batch=batch, dense=True, us=dense_us))
             reference = F.linear(x.double(), kernels.unpack_to_dense(values, mask).double())
             for config in kernels.candidate_configs(out_features, n_words, batch):
                 error = float((sparse_call(x, values, mask, config)().double() - reference).norm() / reference.norm())
-                us = time_per_call([sparse_call(x, v, m, config) for v, m in packed], replays=7)
+                us = kernels.time_in_cuda_graph([sparse_call(x, v, m, config) for v, m in packed], replays=7)
                 rows.append(dict(out=out_features, inp=in_features, batch=batch, config=config, us=us, error=error))
                 print(f"{out_features}x{in_features} b{batch} {config}: {us:.1f} us, relative error {error:.1e}"
                       f"{'  WRONG' if not error < 1e-2 else ''}", flush=True)
             tuned = kernels.spmv_config(x, values, mask)
             rows.append(dict(out=out_features, inp=in_features, batch=batch, config=tuned, tuned=True,
-                             us=time_per_call([sparse_call(x, v, m) for v, m in packed])))
+                             us=kernels.time_in_cuda_graph([sparse_call(x, v, m) for v, m in packed])))
             if batch == 1:
                 kernels.INTERPRETING = True  # the launcher passes it as INTERPRETER_SAFE
                 try:
-                    us = time_per_call([sparse_call(x, v, m, tuned) for v, m in packed])
+                    us = kernels.time_in_cuda_graph([sparse_call(x, v, m, tuned) for v, m in packed])
                 finally:
                     kernels.INTERPRETING = False
                 rows.append(dict(out=out_features, inp=in_features, batch=batch, config=tuned, safe_scan=True, us=us))

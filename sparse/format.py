@@ -17,6 +17,10 @@ with C = min(8, nnz) values per chunk (`values_per_chunk`): a thread reads a wor
 follow from (in, out, pattern) alone, so a model can be built on the meta device and loaded with
 `load_state_dict(assign=True)`.
 
+Checkpoints name this layout "bitmask-v2" (`FORMAT`). "bitmask-v1" (before 2026-12-01) stored
+values as (in/32 · nnz, out), value s of word k of row r at [k·nnz + s, r]; `values_from_v1`
+converts, and generate.load_model does so on load.
+
 "50%" style patterns mean unstructured sparsity: stored as a dense tensor with zeros, never
 packed; `parse_pattern` returns the fraction of zeros as a float for them (0.5).
 """
@@ -24,6 +28,7 @@ import torch
 from torch import Tensor
 
 WORD_BITS = 32
+FORMAT = "bitmask-v2"
 
 
 def parse_pattern(pattern: str):
@@ -136,6 +141,17 @@ def pack(weight: Tensor, pattern: str, mask: Tensor = None):
     values = weight.detach()[keep].reshape(out, inp // WORD_BITS, nnz // chunk, chunk)
     values = values.permute(1, 2, 0, 3).reshape(-1, out, chunk)
     return values.contiguous(), words.t().contiguous()
+
+
+def values_from_v1(values: Tensor, mask: Tensor) -> Tensor:
+    """A "bitmask-v1" values buffer (in/32 · nnz, out) in this module's layout (see the top);
+    the mask is the same in both."""
+    words, out = mask.shape
+    if values.dim() != 2 or values.shape[1] != out or values.shape[0] % words:
+        raise ValueError(f"values {tuple(values.shape)} are not bitmask-v1 values for mask {tuple(mask.shape)}")
+    nnz = values.shape[0] // words
+    chunk = values_per_chunk(nnz)
+    return values.reshape(words, nnz // chunk, chunk, out).permute(0, 1, 3, 2).reshape(-1, out, chunk).contiguous()
 
 
 def unpack(values: Tensor, mask: Tensor) -> Tensor:

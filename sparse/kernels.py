@@ -369,36 +369,48 @@ _tuned_configs = {}
 L2_BYTES = 60e6  # the H200's L2 is ~60 MB (50 MB on an H100): copies rotated past it come from DRAM
 
 
-def time_in_cuda_graph(calls, replays: int = 10) -> float:
-    """Median microseconds per call of `calls` (run round-robin), recorded into one CUDA graph and
-    replayed: launch gaps as in a compiled decode step, no Python launch overhead in the number."""
+def copies_for(nbytes: int) -> int:
+    """Copies of an operand of nbytes so that rotating through them always misses the L2."""
+    return max(1, math.ceil(3 * L2_BYTES / nbytes))
+
+
+def time_in_cuda_graph(calls, target_ms: float = 3.0, replays: int = 15) -> float:
+    """Median microseconds per call of `calls` (run round-robin), recorded into one CUDA graph of
+    about target_ms and replayed: launch gaps as in a compiled decode step, no Python launch
+    overhead in the number. The benchmarks (scripts/bench_kernel.py) time with this too."""
     for call in calls:  # compile and warm up outside the graph
         call()
     torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for call in calls:
+        call()
+    end.record()
+    end.synchronize()
+    estimate_ms = start.elapsed_time(end) / len(calls)
+    loops = max(1, min(200, round(target_ms / max(estimate_ms, 1e-3) / len(calls))))
     graph = torch.cuda.CUDAGraph()
-    repeats = max(1, 64 // len(calls))
     with torch.cuda.graph(graph):
-        for _ in range(repeats):
+        for _ in range(loops):
             for call in calls:
                 call()
     graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(replays):
         start.record()
         graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / (repeats * len(calls)))
+        times.append(start.elapsed_time(end))
     del graph
-    return sorted(times)[len(times) // 2]
+    return sorted(times)[len(times) // 2] * 1000 / (loops * len(calls))
 
 
 def spmv_config(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor):
     """The fastest candidate config for this (out, in, batch), timed once and remembered.
 
     Timed as the benchmark and a compiled decode run it: inside a CUDA graph, rotating over copies
-    of the weight that together exceed the L2 several times, so they come from DRAM. (triton's
+    of the weight that together exceed the L2 three times, so they come from DRAM. (triton's
     do_bench, which clears the L2 but launches each call from Python, picked configs up to 27 %
     slower than the best on 5 of 16 shapes in the 2026-12-01 sweep: docs/KERNEL_NOTES.md.)
     """
@@ -412,10 +424,9 @@ def spmv_config(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor):
             return configs[0]  # cannot time inside a graph capture; warm up first to get the tuned one
         else:
             nbytes = values.numel() * values.element_size() + mask.numel() * 4
-            copies = [(values, mask)] + [(values.clone(), mask.clone())
-                                         for _ in range(math.ceil(3 * L2_BYTES / nbytes) - 1)]
-            timings = [time_in_cuda_graph([lambda v=v, m=m, c=c: spmv(x, v, m, config=c) for v, m in copies])
-                       for c in configs]
+            copies = [(values, mask)] + [(values.clone(), mask.clone()) for _ in range(copies_for(nbytes) - 1)]
+            timings = [time_in_cuda_graph([lambda v=v, m=m, c=c: spmv(x, v, m, config=c) for v, m in copies],
+                                          target_ms=1.0, replays=9) for c in configs]
             del copies
             _tuned_configs[key] = configs[timings.index(min(timings))]
     return _tuned_configs[key]

@@ -56,7 +56,7 @@ def test_packed_checkpoint_loads_through_generate_and_matches_the_masked_dense_m
     out = tmp_path / "pruned.pth"
     prune_model(tiny_checkpoint, calibration_set(), method, "2:4", out, batch_tokens=100)
     state_dict, _, metadata = load_checkpoint(out)
-    assert metadata["sparsity"] == {"pattern": "2:4", "format": "bitmask-v1",
+    assert metadata["sparsity"] == {"pattern": "2:4", "format": "bitmask-v2",
                                     "layers": [f"layers.{i}.{n}" for i in range(2) for n in LINEARS]}
     assert metadata["method"] == method and metadata["note"] == "tiny random"
     assert metadata["calibration"]["counted_tokens"] == calibration_set().counted_tokens
@@ -76,6 +76,27 @@ def test_packed_checkpoint_loads_through_generate_and_matches_the_masked_dense_m
     tokens = torch.randint(0, 80, (24,), generator=torch.Generator().manual_seed(3))
     torch.testing.assert_close(logits(loaded, tokens), logits(masked, tokens), rtol=1e-4, atol=1e-4)
     assert not torch.allclose(logits(source, tokens), logits(masked, tokens), atol=1e-3)
+
+
+def test_checkpoint_in_the_older_bitmask_v1_layout_still_loads(tiny_checkpoint, tmp_path):
+    # bitmask-v1 (before 2026-12-01) stored each row's kept values as column (word, step) of a
+    # (in/32 * nnz, out) buffer; load_model converts it to the current layout.
+    generate = pytest.importorskip("generate")
+    from checkpoint import save_checkpoint
+
+    out = tmp_path / "pruned.pth"
+    prune_model(tiny_checkpoint, calibration_set(), "magnitude", "4:8", out, batch_tokens=100)
+    state_dict, config, metadata = load_checkpoint(out)
+    old = {name: (unpack(tensor, state_dict[name[:-len("values")] + "mask"]) if name.endswith(".values") else tensor)
+           for name, tensor in state_dict.items()}
+    old = {name: (tensor[tensor != 0].reshape(tensor.shape[0], -1).t().contiguous() if name.endswith(".values")
+                  else tensor) for name, tensor in old.items()}  # random weights: no kept zeros
+    save_checkpoint(tmp_path / "v1.pth", old, config, dict(metadata, sparsity=dict(metadata["sparsity"],
+                                                                                      format="bitmask-v1")))
+    tokens = torch.randint(0, 80, (24,), generator=torch.Generator().manual_seed(4))
+    expected = logits(generate.load_model(out, "cpu", torch.float32), tokens)
+    torch.testing.assert_close(logits(generate.load_model(tmp_path / "v1.pth", "cpu", torch.float32), tokens),
+                               expected, rtol=0, atol=0)
 
 
 def wanda_by_hand(path, calibration, pattern):
@@ -111,7 +132,7 @@ def test_sequential_driver_matches_a_from_scratch_reference(pattern, tiny_checkp
             weight = state_dict[f"{name}.weight"]
             assert (weight == 0).sum() == weight.numel() // 2  # dense zeros, exactly half (per row: 50%)
         assert torch.equal(weight != 0, reference.get_submodule(name).weight != 0), name
-    assert metadata["sparsity"]["format"] == ("bitmask-v1" if pattern == "2:4" else "dense-zeros")
+    assert metadata["sparsity"]["format"] == ("bitmask-v2" if pattern == "2:4" else "dense-zeros")
 
 
 def test_one_shot_calibrates_on_dense_activations(tiny_checkpoint, tmp_path):
