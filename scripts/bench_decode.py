@@ -17,9 +17,9 @@ KV cache over all slots) / median step time. The bound speedup of a sparse patte
 bytes / sparse bytes at the same batch size: what a purely bandwidth-bound decode would gain.
 
 `--gptfast DIR` also times GPT-Fast's own dense decode of the same shape, side by side: DIR holds
-a copy of pytorch-labs/gpt-fast plus a driver `decode_driver.py` that builds its Transformer with
-random weights and times its decode_n_tokens the same way (run in a subprocess, since both
-projects name their modules model.py / generate.py). Results go to OUT/bench_decode.json and .md.
+a copy of pytorch-labs/gpt-fast, and scripts/gptfast_decode_driver.py builds its Transformer with
+random weights and times its compiled decode the same way (in a subprocess, since both projects
+name their modules model.py / generate.py). Results go to OUT/bench_decode.json and .md.
 """
 import argparse
 import gc
@@ -103,7 +103,8 @@ def profile_steps(run, steps: int, path: Path):
 
 
 def run_gptfast(gptfast_dir: Path, model_name: str, batch_size: int, args, timeout_s: float) -> dict:
-    command = [sys.executable, str(gptfast_dir / "decode_driver.py"), "--model", GPTFAST_NAMES[model_name],
+    command = [sys.executable, str(Path(__file__).with_name("gptfast_decode_driver.py")), "--gptfast_dir", str(gptfast_dir),
+               "--model", GPTFAST_NAMES[model_name],
                "--batch_size", str(batch_size), "--prompt_length", str(args.prompt_length),
                "--new_tokens", str(args.new_tokens), "--warmup_steps", str(args.warmup_steps),
                "--temperature", str(args.temperature), "--top_k", str(args.top_k or 0)]
@@ -248,7 +249,7 @@ def parse_args(argv=None):
     p.add_argument("--top_k", type=int, default=200)
     p.add_argument("--top_p", type=float, default=None)
     p.add_argument("--copy_bandwidth", type=float, default=4.27e12, help="measured device copy, bytes/s")
-    p.add_argument("--gptfast", type=Path, help="folder with gpt-fast + decode_driver.py: time it side by side")
+    p.add_argument("--gptfast", type=Path, help="a copy of pytorch-labs/gpt-fast: time its dense decode side by side")
     p.add_argument("--gptfast_timeout_s", type=float, default=600,
                    help="GPT-Fast's first compile alone took over 147 s on a fresh H200 machine")
     p.add_argument("--deadline_s", type=float, default=float("inf"), help="start nothing new after this long")
