@@ -55,6 +55,12 @@ def load_model(checkpoint_path, device="cuda", dtype=torch.bfloat16) -> Transfor
         if sparsity["format"] == "bitmask-v1":  # the values' older layout (sparse/format.py)
             state_dict = {name: sparse.format.values_from_v1(tensor, state_dict[name[:-len("values")] + "mask"])
                           if name.endswith(".values") else tensor for name, tensor in state_dict.items()}
+        for name in [n for n in state_dict if n.endswith(".values")]:  # every mask keeps its pattern exactly
+            layer = name[:-len(".values")]
+            try:
+                sparse.validate(state_dict[name], state_dict.get(f"{layer}.mask"), sparsity["pattern"])
+            except ValueError as e:
+                raise CheckpointError(f"checkpoint {checkpoint_path}, layer {layer}: {e}") from None
         sparse.swap_linears_for_state_dict(model, state_dict, sparsity["pattern"])
     elif sparsity.get("format") not in (None, "dense-zeros"):
         raise CheckpointError(f"checkpoint {checkpoint_path} has unknown sparsity format '{sparsity.get('format')}'")

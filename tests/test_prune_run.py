@@ -99,6 +99,21 @@ def test_checkpoint_in_the_older_bitmask_v1_layout_still_loads(tiny_checkpoint, 
                                expected, rtol=0, atol=0)
 
 
+def test_a_mask_that_breaks_its_pattern_is_refused_on_load(tiny_checkpoint, tmp_path):
+    generate = pytest.importorskip("generate")
+    from checkpoint import CheckpointError, save_checkpoint
+
+    out = tmp_path / "pruned.pth"
+    prune_model(tiny_checkpoint, calibration_set(), "magnitude", "2:4", out, batch_tokens=100)
+    state_dict, config, metadata = load_checkpoint(out)
+    mask = state_dict["layers.1.feed_forward.w2.mask"].clone()
+    mask[0, 3] ^= 1 << 5  # one bit more or less in columns 4..7 of row 3
+    save_checkpoint(tmp_path / "broken.pth", {**state_dict, "layers.1.feed_forward.w2.mask": mask}, config, metadata)
+    with pytest.raises(CheckpointError, match=r"layer layers.1.feed_forward.w2: mask breaks pattern 2:4: row 3, "
+                                              r"columns 4..7 keep [13] weights, expected exactly 2"):
+        generate.load_model(tmp_path / "broken.pth", "cpu", torch.float32)
+
+
 def wanda_by_hand(path, calibration, pattern):
     """Sequential Wanda from scratch: for each linear in forward order, run the *whole* (partly
     pruned) model KV-cached over every calibration sequence, take that linear's inputs at the
