@@ -7,9 +7,10 @@
   weight. Per word a thread loads the mask word and its values in 16-byte loads (8 bf16), then
   runs a fixed number of steps (nnz per word, a constexpr): take the lowest set bit's column,
   shuffle x from that lane, multiply by the next value, clear the bit. That is six instructions
-  per kept weight at batch 1 (bit scan 3, shuffle, bf16 -> fp32, FMA), against the ~17.7 the
-  H200 can issue per kept weight at full bandwidth (docs/KERNEL_NOTES.md). The next word's loads
-  are issued before the current word is multiplied. The warps of a program take consecutive
+  per step at batch 1 (bit scan 3, shuffle, bf16 -> fp32, FMA), 8.4-8.8 per kept weight in the
+  SASS with the per-word loads and addressing, against the ~17.7 the H200 can issue per kept
+  weight at full bandwidth (docs/KERNEL_NOTES.md). The loads of the next one or two words (a
+  constexpr) are issued before the current word is multiplied. The warps of a program take consecutive
   slices of K for the same rows and are summed through shared memory; programs may split K
   further and add fp32 partial sums into a workspace with atomics, the last program of a row
   block to arrive casting the sum to the output dtype and zeroing the workspace again, so one
