@@ -52,13 +52,15 @@ def load_model(checkpoint_path, device="cuda", dtype=torch.bfloat16) -> Transfor
     if sparsity.get("format") in ("bitmask-v1", "bitmask-v2"):
         import sparse  # only packed checkpoints need the kernels
 
-        if sparsity["format"] == "bitmask-v1":  # the values' older layout (sparse/format.py)
-            state_dict = {name: sparse.format.values_from_v1(tensor, state_dict[name[:-len("values")] + "mask"])
-                          if name.endswith(".values") else tensor for name, tensor in state_dict.items()}
-        for name in [n for n in state_dict if n.endswith(".values")]:  # every mask keeps its pattern exactly
-            layer = name[:-len(".values")]
+        state_dict = dict(state_dict)
+        for layer in [n[:-len(".values")] for n in state_dict if n.endswith(".values")]:
+            values, mask = state_dict[f"{layer}.values"], state_dict.get(f"{layer}.mask")
             try:
-                sparse.validate(state_dict[name], state_dict.get(f"{layer}.mask"), sparsity["pattern"])
+                if mask is None:
+                    raise ValueError("no mask stored beside the values")
+                if sparsity["format"] == "bitmask-v1":  # the values' older layout (sparse/format.py)
+                    values = state_dict[f"{layer}.values"] = sparse.format.values_from_v1(values, mask)
+                sparse.validate(values, mask, sparsity["pattern"])  # every mask keeps its pattern exactly
             except ValueError as e:
                 raise CheckpointError(f"checkpoint {checkpoint_path}, layer {layer}: {e}") from None
         sparse.swap_linears_for_state_dict(model, state_dict, sparsity["pattern"])

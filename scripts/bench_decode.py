@@ -34,6 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import generate  # noqa: E402
+from scripts.kernel_profile import profile_steps  # noqa: E402
 from checkpoint import atomic_write  # noqa: E402
 from model import ModelArgs, Transformer  # noqa: E402
 
@@ -81,25 +82,6 @@ def time_decode(model, batch_size: int, args, label: str = "run") -> dict:
                       args.out / f"profile_{label.replace(':', '-')}.txt")
     return dict(median_step_s=statistics.median(measured), measured_steps=len(measured),
                 first_call_s=round(warmup_s, 1))
-
-
-def profile_steps(run, steps: int, path: Path):
-    """Kernel time per decode step (CUDA graph replays included: CUPTI reports each kernel of a
-    replayed graph), summed by kernel name and divided by the steps; the table goes to `path`."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        run()
-        torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
-    events.sort(key=lambda e: -e.self_device_time_total)
-    total_us = sum(e.self_device_time_total for e in events) / steps
-    lines = [f"{steps} decode steps (+ one prefill, included below); GPU kernel time per step {total_us:.1f} us",
-             f"{'us/step':>9} {'calls/step':>10}  kernel"]
-    lines += [f"{e.self_device_time_total / steps:9.1f} {e.count / steps:10.2f}  {e.key[:150]}" for e in events[:60]]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines) + "\n")
-    print("\n".join(lines[:25]), flush=True)
 
 
 def run_gptfast(gptfast_dir: Path, model_name: str, batch_size: int, args, timeout_s: float) -> dict:

@@ -97,18 +97,9 @@ def main():
         torch.cuda.reset_peak_memory_stats()
     step_times = generation(timed=True)[args.warmup_steps:]
     if os.environ.get("GPTFAST_PROFILE") and on_cuda:
-        from torch.profiler import ProfilerActivity, profile
+        from kernel_profile import profile_steps  # beside this script (GPT-Fast has a `scripts` of its own)
 
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            generation(timed=False)
-            torch.cuda.synchronize()
-        steps = args.new_tokens - 1
-        events = sorted((e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA),
-                        key=lambda e: -e.self_device_time_total)
-        lines = [f"GPT-Fast, {steps} decode steps (+ one prefill); GPU kernel time per step "
-                 f"{sum(e.self_device_time_total for e in events) / steps:.1f} us"]
-        lines += [f"{e.self_device_time_total / steps:9.1f} {e.count / steps:10.2f}  {e.key[:150]}" for e in events[:60]]
-        Path(os.environ["GPTFAST_PROFILE"]).write_text("\n".join(lines) + "\n")
+        profile_steps(lambda: generation(timed=False), args.new_tokens - 1, Path(os.environ["GPTFAST_PROFILE"]))
     print(json.dumps(dict(median_step_s=statistics.median(step_times), measured_steps=len(step_times),
                           first_call_s=round(first_call_s, 1),
                           peak_memory_gb=round(torch.cuda.max_memory_allocated() / 1e9, 2) if on_cuda else None)))

@@ -27,16 +27,17 @@ TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 SASS_LINE = re.compile(r"\s+/\*([0-9a-f]{4})\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_]+)")
 
 
-def loop_length(sass: str):
-    """Instructions in the innermost loop (the word loop): from a backward branch's target to it."""
+def innermost_loop(sass: str):
+    """(opcode, line) of the innermost loop's instructions (the word loop), in program order: the
+    shortest span from a backward branch's target to the branch."""
     lines = [(int(m.group(1), 16), m.group(3), line) for line in sass.splitlines() if (m := SASS_LINE.match(line))]
     offsets = {address: i for i, (address, _, _) in enumerate(lines)}
     loops = []
     for i, (address, opcode, line) in enumerate(lines):
         target = re.search(r"BRA\s.*?0x([0-9a-f]+)", line) if opcode == "BRA" else None
         if target and int(target.group(1), 16) < address and int(target.group(1), 16) in offsets:
-            loops.append(i - offsets[int(target.group(1), 16)] + 1)
-    return min(loops) if loops else None
+            loops.append(lines[offsets[int(target.group(1), 16)]:i + 1])
+    return [(op, text) for _, op, text in min(loops, key=len)] if loops else []
 
 
 def kernels_module(revision: str = None):
@@ -51,18 +52,6 @@ def kernels_module(revision: str = None):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def loop_instructions_in_order(sass: str):
-    """(opcode, line) of the innermost loop's instructions, in program order."""
-    lines = [(int(m.group(1), 16), m.group(3), line) for line in sass.splitlines() if (m := SASS_LINE.match(line))]
-    length = loop_length(sass)
-    for i, (address, opcode, line) in enumerate(lines):
-        target = re.search(r"BRA\s.*?0x([0-9a-f]+)", line) if opcode == "BRA" else None
-        if target and int(target.group(1), 16) < address and i - length + 1 >= 0:
-            if lines[i - length + 1][0] == int(target.group(1), 16):
-                return [(op, text) for _, op, text in lines[i - length + 1:i + 1]]
-    return []
 
 
 def compile_spmv(kernels, batch: int, slices: int, prefetch: int, nnz_per_word: int = 16,
@@ -83,7 +72,7 @@ def compile_spmv(kernels, batch: int, slices: int, prefetch: int, nnz_per_word: 
                              str(folder / "k.cubin")], capture_output=True, text=True, check=True).stderr
     sass = subprocess.run([str(TOOLS / "cuobjdump"), "-sass", str(folder / "k.cubin")],
                           capture_output=True, text=True, check=True).stdout
-    loop = loop_instructions_in_order(sass)
+    loop = innermost_loop(sass)
     count = lambda ops, *names: sum(op.split(".")[0] in names for op in ops)  # noqa: E731
     loop_ops = [op for op, _ in loop]
     loads = [i for i, op in enumerate(loop_ops) if op == "LDG"]
