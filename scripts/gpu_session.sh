@@ -7,7 +7,8 @@
 #   bash scripts/gpu_session.sh gpu_tests kernel_table decode_b1 decode_batches      # on nvidia-h200-x2: two at a time
 #   DEADLINE_S=540 bash scripts/gpu_session.sh decode_b1 prune_8b
 #
-# Jobs (name: what, rough minutes on an idle H200 incl. compiles):
+# Jobs (name: what, rough minutes on an idle H200 incl. compiles; bench_decode runs our dense and
+# our sparse model in fresh processes of their own):
 #   gpu_tests       pytest -m gpu over every module with GPU tests (~3; the SpMV autotuner compiles per shape)
 #   kernel_table    bench_kernel.py: the issue-3 table, 16 shapes x batch 1/4/8/16/2048 (~4)
 #   kernel_table_b1_prefill  the same table at batch 1 and the 2048-token prefill only (~5)
@@ -19,7 +20,9 @@
 #   kernel_ncu      Nsight Compute (full set, SASS source page with stall samples) of the tuned batch-1
 #                   SpMV on 4096x4096, 28672x4096 and 4096x14336 (~2)
 #   spmm            gpu_spmm_check.sh bench: tensor-core SpMM vs SpMV vs cuBLAS (~3)
-#   decode_b1       Llama-3.1-8B dense + GPT-Fast (needs .gptfast carried) + 2:4..16:32, --profile (~7)
+#   decode_b1       Llama-3.1-8B dense + GPT-Fast (needs .gptfast carried) + 2:4..16:32, --profile (~7; on
+#                   2026-12-02 GPT-Fast's first compile outlasted 220 and 250 s: then use decode_gptfast)
+#   decode_gptfast  Llama-3.1-8B our dense + GPT-Fast alone, GPT-Fast given 450 s (~9)
 #   decode_b1_ours  the same without GPT-Fast, dense and 2:4 only (~4)
 #   decode_batches  Llama-3.1-8B dense and 2:4 at batch 4 and 8 (~8)
 #   decode_qwen3    Qwen3-8B and -14B, dense and 2:4, batch 1 (~9); Qwen3-32B is a job of its own:
@@ -54,6 +57,7 @@ declare -A JOBS=(
   [kernel_ncu]="ncu --clock-control none --nvtx --nvtx-include 'spmv/' --set full --import-source yes -o \$JOB/spmv python3 scripts/bench_kernel.py --ncu-shapes 4096x4096,28672x4096,4096x14336 --out-json \$JOB/targets.json && ncu -i \$JOB/spmv.ncu-rep --page details --csv > \$JOB/details.csv && ncu -i \$JOB/spmv.ncu-rep --page source --print-source sass --csv > \$JOB/source_sass.csv"
   [spmm]="env OUT=\$JOB bash scripts/gpu_spmm_check.sh bench"
   [decode_b1]="env GPTFAST_PROFILE=\$JOB/profile_gptfast.txt $DECODE --models Llama-3.1-8B --patterns dense,2:4,4:8,8:16,16:32 --batch_sizes 1 --profile --gptfast .gptfast --gptfast_timeout_s 240 --out \$JOB"
+  [decode_gptfast]="$DECODE --models Llama-3.1-8B --patterns dense --batch_sizes 1 --gptfast .gptfast --gptfast_timeout_s 450 --out \$JOB"
   [decode_b1_ours]="$DECODE --models Llama-3.1-8B --patterns dense,2:4 --batch_sizes 1 --profile --out \$JOB"
   [decode_batches]="$DECODE --models Llama-3.1-8B --patterns dense,2:4 --batch_sizes 4,8 --deadline_s 500 --out \$JOB"
   [decode_qwen3]="$DECODE --models Qwen3-8B,Qwen3-14B --patterns dense,2:4 --batch_sizes 1 --out \$JOB"
