@@ -97,7 +97,9 @@ def logits_to_probs(logits: Tensor, temperature: float = 1.0, top_k: Optional[in
     logits = logits.float() / temperature
     if top_k is not None or top_p is not None:
         k = logits.shape[-1] if top_k is None else min(top_k, logits.shape[-1])
-        ranked = torch.topk(logits, k).values  # descending
+        # Unsorted unless top-p needs the order: on CUDA the sort is a kernel of its own (21 us of
+        # a Llama-3 step at k=200, docs/BENCHMARKS.md), and top-k alone needs only the k-th value.
+        ranked = torch.topk(logits, k, sorted=top_p is not None).values  # sorted: descending
         if top_p is not None:
             ranked_probs = torch.softmax(ranked, dim=-1)  # renormalised over the top-k, as if top-k ran first
             mass_before = ranked_probs.cumsum(dim=-1) - ranked_probs
