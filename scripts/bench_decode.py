@@ -13,8 +13,8 @@ Protocol (the paper's): a 512-token random prompt, 256 new tokens, generate(comp
 decode step is one CUDA graph. The first generate() call compiles and warms up; in the second,
 each decode step is timed with CUDA events and we report the median over the steps after the
 first `--warmup_steps`. Our dense model and our sparse model of a shape each run in a fresh
-process (`--same_process` runs both here; see bench() for why). GB/s = bytes one step reads (generate.bytes_read_per_step: weights once,
-KV cache over all slots) / median step time. The bound speedup of a sparse pattern is dense
+process (`--same_process` runs both in this one; bench() says why). GB/s = bytes one step reads
+(generate.bytes_read_per_step: weights once, KV cache over all slots) / median step time. The bound speedup of a sparse pattern is dense
 bytes / sparse bytes at the same batch size: what a purely bandwidth-bound decode would gain.
 
 `--gptfast DIR` also times GPT-Fast's own dense decode of the same shape, side by side: DIR holds
