@@ -98,6 +98,10 @@ def main():
     p.add_argument("--timeout_s", type=float, default=400, help="per variant")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.exit("error: probe_lm_head.py needs a CUDA GPU")
     args.out.mkdir(parents=True, exist_ok=True)
     if args.variant:
         return run_variant(args.variant, args.layers, args.out, args.tag)
