@@ -43,10 +43,13 @@ from model import ModelArgs, Transformer  # noqa: E402
 GPTFAST_NAMES = {"Llama-3.1-8B": "llama-3.1-8b", "Meta-Llama-3-8B": "llama-3-8b"}  # shapes GPT-Fast knows
 
 
-def random_model(name: str, device="cuda", dtype=torch.bfloat16) -> Transformer:
-    """The named shape with random weights, allocated and filled on the device (no CPU copy)."""
+def random_model(name: str, device="cuda", dtype=torch.bfloat16, n_layer: int = None) -> Transformer:
+    """The named shape with random weights, allocated and filled on the device (no CPU copy);
+    n_layer keeps only that many layers (quick probes of one shape)."""
+    config = ModelArgs.from_name(name)
+    config.n_layer = n_layer or config.n_layer
     with torch.device("meta"):
-        model = Transformer(ModelArgs.from_name(name)).to(dtype)
+        model = Transformer(config).to(dtype)
     model = model.to_empty(device=device)  # bf16 from the start: Qwen3-32B in fp32 would not fit
     if model.config.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight

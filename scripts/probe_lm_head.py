@@ -31,15 +31,15 @@ INDUCTOR_PATCHES = {"sparse_no_mix": {"triton.mix_order_reduction": False},
                     "dense_mk": {"triton.multi_kernel": 1}, "sparse_mk": {"triton.multi_kernel": 1}}
 
 
-def identity_after(module, op):
-    """A module that runs `module` and then the custom op `op` on its output."""
+def followed_by(module, op):
+    """A module that runs `module`, then `op` on its output (an op Inductor cannot fuse across)."""
     import torch.nn as nn
 
-    class Wrapped(nn.Module):
+    class Followed(nn.Module):
         def forward(self, x):
             return op(module(x))
 
-    return Wrapped()
+    return Followed()
 
 
 def run_variant(variant: str, layers: int, out: Path, tag: str):
@@ -50,18 +50,11 @@ def run_variant(variant: str, layers: int, out: Path, tag: str):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     import generate
     import sparse
-    from model import ModelArgs, Transformer
+    from scripts.bench_decode import random_model
     from scripts.kernel_profile import profile_steps
 
-    config = ModelArgs.from_name("Llama-3.1-8B")
-    config.n_layer = layers
-    with torch.device("meta"):
-        model = Transformer(config).to(torch.bfloat16)
-    model = model.to_empty(device="cuda")
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.uniform_(0.8, 1.2) if name.endswith("norm.weight") else p.normal_(0.0, 0.02)
-    model.eval().setup_caches(1, 512 + 128)
+    model = random_model("Llama-3.1-8B", n_layer=layers)
+    model.setup_caches(1, 512 + 128)
     if variant.startswith("sparse"):
         sparse.swap_to_sparse(model, "2:4")  # the lm_head stays dense
     generate.INDUCTOR_OPTIONS = {**generate.INDUCTOR_OPTIONS, **INDUCTOR_PATCHES.get(variant, {})}
@@ -71,7 +64,7 @@ def run_variant(variant: str, layers: int, out: Path, tag: str):
             return x.clone()
 
         realize.register_fake(lambda x: torch.empty_like(x))
-        model.norm = identity_after(model.norm, realize)
+        model.norm = followed_by(model.norm, realize)
     if variant.endswith("cublas_head"):
         @torch.library.custom_op("probe::linear", mutates_args=())
         def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -79,8 +72,8 @@ def run_variant(variant: str, layers: int, out: Path, tag: str):
 
         linear.register_fake(lambda x, weight: x.new_empty(*x.shape[:-1], weight.shape[0]))
         weight = model.output.weight
-        model.output = identity_after(nn.Identity(), lambda x: linear(x, weight))
-    prompts = [torch.randint(0, config.vocab_size, (512,))]
+        model.output = followed_by(nn.Identity(), lambda x: linear(x, weight))
+    prompts = [torch.randint(0, model.config.vocab_size, (512,))]
     sampling = dict(temperature=0.8, top_k=200, seed=0, compile=True)
     generate.generate(model, prompts, 128, **sampling)  # compiles and warms up
     result = generate.generate(model, prompts, 128, **sampling)
