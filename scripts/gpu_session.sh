@@ -24,6 +24,7 @@
 #                   2026-12-02 GPT-Fast's first compile outlasted 220 and 250 s: then use decode_gptfast)
 #   decode_gptfast  Llama-3.1-8B our dense + GPT-Fast alone, GPT-Fast given 450 s (~9)
 #   decode_b1_ours  the same without GPT-Fast, dense and 2:4 only (~4)
+#   decode_b1_patterns  our dense and 4:8, 8:16, 16:32, each in a fresh process (~6)
 #   decode_batches  Llama-3.1-8B dense and 2:4 at batch 4 and 8 (~8)
 #   decode_qwen3    Qwen3-8B and -14B, dense and 2:4, batch 1 (~9); Qwen3-32B is a job of its own:
 #   decode_qwen3_32b
@@ -59,6 +60,7 @@ declare -A JOBS=(
   [decode_b1]="env GPTFAST_PROFILE=\$JOB/profile_gptfast.txt $DECODE --models Llama-3.1-8B --patterns dense,2:4,4:8,8:16,16:32 --batch_sizes 1 --profile --gptfast .gptfast --gptfast_timeout_s 240 --out \$JOB"
   [decode_gptfast]="$DECODE --models Llama-3.1-8B --patterns dense --batch_sizes 1 --gptfast .gptfast --gptfast_timeout_s 450 --out \$JOB"
   [decode_b1_ours]="$DECODE --models Llama-3.1-8B --patterns dense,2:4 --batch_sizes 1 --profile --out \$JOB"
+  [decode_b1_patterns]="$DECODE --models Llama-3.1-8B --patterns dense,4:8,8:16,16:32 --batch_sizes 1 --out \$JOB"
   [decode_batches]="$DECODE --models Llama-3.1-8B --patterns dense,2:4 --batch_sizes 4,8 --deadline_s 500 --out \$JOB"
   [decode_qwen3]="$DECODE --models Qwen3-8B,Qwen3-14B --patterns dense,2:4 --batch_sizes 1 --out \$JOB"
   [decode_qwen3_32b]="$DECODE --models Qwen3-32B --patterns dense,2:4 --batch_sizes 1 --deadline_s 500 --out \$JOB"
