@@ -8,7 +8,9 @@ Layout choices that other modules rely on:
   concatenates *output rows*, so N:M groups along in_features stay intact for the sparse format.
 - RoPE rotates the two halves of each head (Hugging Face's `rotate_half` layout), so HF weights
   load unchanged; GGUF and llama2.c weights (interleaved pairs) are permuted on import.
-- Every linear layer is a plain `nn.Linear`; `sparse.linear.swap_to_sparse` replaces them.
+- Every linear layer is a plain `nn.Linear`; `sparse.linear.swap_to_sparse` replaces them. Linear
+  layers are called through `project`, which lets a SparseLinear take the norm before it, the
+  residual add after it and FeedForward's silu(gate) * up into its decode kernel.
 - On CUDA a decode step (one query per sequence) attends through decode_attention.py's Triton
   kernels; everything else (prefill, CPU) through `F.scaled_dot_product_attention`.
 """
@@ -187,8 +189,8 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
 
     def forward(self, x, input_pos, cos, sin, mask):
-        h = x + self.attention(self.attention_norm(x), input_pos, cos, sin, mask)
-        return h + self.feed_forward(self.ffn_norm(h))
+        h = self.attention(x, input_pos, cos, sin, mask, norm=self.attention_norm, residual=x)
+        return self.feed_forward(h, norm=self.ffn_norm, residual=h)
 
 
 class Attention(nn.Module):
@@ -205,10 +207,11 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         self.kv_cache: Optional[KVCache] = None
 
-    def forward(self, x, input_pos, cos, sin, mask):
+    def forward(self, x, input_pos, cos, sin, mask, norm=None, residual=None):
+        """residual + attention(norm(x)); norm and residual are optional."""
         B, T, _ = x.shape
         kv_size = self.n_local_heads * self.head_dim
-        q, k, v = self.wqkv(x).split([self.n_head * self.head_dim, kv_size, kv_size], dim=-1)
+        q, k, v = project(self.wqkv, x, norm=norm).split([self.n_head * self.head_dim, kv_size, kv_size], dim=-1)
         q = q.view(B, T, self.n_head, self.head_dim)
         k = k.view(B, T, self.n_local_heads, self.head_dim)
         v = v.view(B, T, self.n_local_heads, self.head_dim)
@@ -223,7 +226,7 @@ class Attention(nn.Module):
             y = decode_attention.decode_attention(q[:, :, 0], k, v, mask[:, 0, 0]).unsqueeze(2)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_head != self.n_local_heads)
-        return self.wo(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
+        return project(self.wo, y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim), residual=residual)
 
 
 class FeedForward(nn.Module):
@@ -233,9 +236,26 @@ class FeedForward(nn.Module):
         self.w13 = nn.Linear(config.dim, 2 * config.intermediate_size, bias=False)  # [gate; up]
         self.w2 = nn.Linear(config.intermediate_size, config.dim, bias=False)
 
-    def forward(self, x):
-        gate, up = self.w13(x).split(self.intermediate_size, dim=-1)
-        return self.w2(F.silu(gate) * up)
+    def forward(self, x, norm=None, residual=None):
+        """residual + w2(silu(gate) * up) with [gate | up] = w13(norm(x)); norm and residual are optional."""
+        return project(self.w2, project(self.w13, x, norm=norm), residual=residual, gated=True)
+
+
+def project(linear: nn.Module, x: Tensor, norm: Optional[nn.Module] = None, residual: Optional[Tensor] = None,
+            gated: bool = False) -> Tensor:
+    """residual + linear(prologue(x)): the prologue is norm(x), or silu(gate) * up for gated
+    x = [gate | up]. A SparseLinear that can (a decode step on the GPU: `fuses`) does all of it
+    in its SpMV kernel, saving the launches of separate norm, add and silu kernels; otherwise
+    these are plain ops, which Inductor fuses with one another and, for nn.Linear, into its GEMV."""
+    if getattr(linear, "fuses", None) is not None and linear.fuses(x):
+        return linear(x, norm=norm, residual=residual, gated=gated)
+    if norm is not None:
+        x = norm(x)
+    if gated:
+        gate, up = x.chunk(2, dim=-1)
+        x = F.silu(gate) * up
+    y = linear(x)
+    return y if residual is None else residual + y
 
 
 class RMSNorm(nn.Module):

@@ -28,8 +28,9 @@ SASS_LINE = re.compile(r"\s+/\*([0-9a-f]{4})\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_]+)")
 
 
 def innermost_loop(sass: str):
-    """(opcode, line) of the innermost loop's instructions (the word loop), in program order: the
-    shortest span from a backward branch's target to the branch."""
+    """(opcode, line) of the word loop's instructions, in program order: the shortest span from a
+    backward branch's target to the branch that shuffles x (the fused variant's sum-of-squares
+    loop has no shuffle)."""
     lines = [(int(m.group(1), 16), m.group(3), line) for line in sass.splitlines() if (m := SASS_LINE.match(line))]
     offsets = {address: i for i, (address, _, _) in enumerate(lines)}
     loops = []
@@ -37,6 +38,7 @@ def innermost_loop(sass: str):
         target = re.search(r"BRA\s.*?0x([0-9a-f]+)", line) if opcode == "BRA" else None
         if target and int(target.group(1), 16) < address and int(target.group(1), 16) in offsets:
             loops.append(lines[offsets[int(target.group(1), 16)]:i + 1])
+    loops = [loop for loop in loops if any(op.startswith("SHFL") for _, op, _ in loop)]
     return [(op, text) for _, op, text in min(loops, key=len)] if loops else []
 
 
@@ -55,15 +57,22 @@ def kernels_module(revision: str = None):
 
 
 def compile_spmv(kernels, batch: int, slices: int, prefetch: int, nnz_per_word: int = 16,
-                 dtype: str = "bf16", even_k: bool = True) -> dict:
+                 dtype: str = "bf16", even_k: bool = True, variant: str = "plain") -> dict:
     """Compile the SpMV for sm_90a and count its machine code; one loop trip = one mask word of
-    one row per thread, so per kept weight = loop instructions / nnz_per_word."""
+    one row per thread, so per kept weight = loop instructions / nnz_per_word. variant: "plain",
+    "norm" (the RMSNorm prologue: what wqkv and w13 run in a decode step) or "gated" (silu(gate) *
+    up and the residual: w2)."""
     signature = {"x_ptr": f"*{dtype}", "values_ptr": f"*{dtype}", "mask_ptr": "*i32", "y_ptr": f"*{dtype}",
-                 "workspace_ptr": "*fp32", "arrivals_ptr": "*i32", "n_rows": "i32", "n_words": "i32",
-                 "words_per_warp": "i32", "batch_rows": "i32", "in_features": "i32"}
+                 "workspace_ptr": "*fp32", "arrivals_ptr": "*i32", "norm_ptr": f"*{dtype}",
+                 "residual_ptr": f"*{dtype}", "n_rows": "i32", "n_words": "i32", "words_per_warp": "i32",
+                 "batch_rows": "i32", "x_stride": "i32", "in_features": "i32", "norm_eps": "fp32"}
     constants = dict(NNZ=nnz_per_word, CHUNK=min(8, nnz_per_word), BATCH=batch, SLICES=slices, PREFETCH=prefetch,
-                     EVEN_K=even_k, INTERPRETER_SAFE=False)
+                     EVEN_K=even_k, NORM=variant == "norm", RESIDUAL=variant == "gated",
+                     GATED=variant == "gated", INTERPRETER_SAFE=False)
     signature.update({name: "constexpr" for name in constants})
+    # The arguments this revision's kernel has (older ones lack the fused operands).
+    signature = {name: kind for name, kind in signature.items() if name in kernels._spmv_kernel.arg_names}
+    constants = {name: value for name, value in constants.items() if name in signature}
     compiled = triton.compile(ASTSource(fn=kernels._spmv_kernel, signature=signature, constexprs=constants),
                               target=GPUTarget("cuda", 90, 32), options={"num_warps": slices})
     folder = Path(tempfile.mkdtemp())
@@ -90,6 +99,8 @@ def main():
     p.add_argument("--slices", type=int, default=4, help="warps per program (each a slice of K)")
     p.add_argument("--prefetch", type=int, default=2, help="words loaded ahead of the one multiplied (1 or 2)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    p.add_argument("--variant", default="plain", choices=["plain", "norm", "gated"],
+                   help="norm: with the RMSNorm prologue (wqkv, w13); gated: silu(gate) * up and the residual (w2)")
     p.add_argument("--revision", help="compile sparse/kernels.py as of this git revision instead")
     p.add_argument("--sass_out", type=Path, help="write each config's SASS into this folder")
     args = p.parse_args()
@@ -97,7 +108,7 @@ def main():
     print(f"{'batch':>5} {'regs':>5} {'spill B':>7} {'loop':>5} {'FFMA':>5} {'FLO':>4} {'SHFL':>4} {'LDG':>4} "
           f"{'LDS/STS/BAR':>11} {'last LDG at':>11} {'per kept weight':>16}")
     for batch in args.batch:
-        r = compile_spmv(kernels, batch, args.slices, args.prefetch, dtype=args.dtype)
+        r = compile_spmv(kernels, batch, args.slices, args.prefetch, dtype=args.dtype, variant=args.variant)
         last = f"{r['last_load_at']:.0%}" if r["last_load_at"] is not None else "-"
         print(f"{batch:5d} {r['registers']:5d} {r['spill_bytes']:7d} {r['loop'] or '-':>5} {r['ffma']:5d} "
               f"{r['flo']:4d} {r['shfl']:4d} {r['loads']:4d} {r['shared']:11d} {last:>11} "

@@ -16,6 +16,11 @@
   block to arrive casting the sum to the output dtype and zeroing the workspace again, so one
   launch does everything and the workspace is always clean for the next call. Slices and words
   per warp are autotuned per (out, in, batch).
+  Around the product the SpMV can do a decode step's small ops that would otherwise each be a
+  kernel launch of a few microseconds (~100 per Llama-3.1-8B step): RMSNorm of x (the norm
+  weight multiplies x's lanes as they are loaded; 1/rms factors out of the row sum, so only the
+  program that stores a row computes it), silu(gate) * up for x = [gate | up], and a residual
+  added before the store.
 - `unpack_to_dense`: expands (values, mask) into a dense weight for the prefill path
   (decompress + cuBLAS).
 
@@ -116,13 +121,14 @@ def _step(acc, word, value, x_lanes, valid, INTERPRETER_SAFE: tl.constexpr):
     """acc[b] += value * x[b, column of the word's lowest set bit] for every row b of x; that bit
     cleared.
 
-    x_lanes (a tuple over the rows of x): on the fast path the float32 bits of x[b, 32k + lane]
-    (zero for a word past the end), and the column's element comes from lane `column` by a warp
-    shuffle; on the safe path pointers to x[b, 32k], gathered where `valid`."""
+    x_lanes (a tuple over the rows of x): the float32 bits of x[b, 32k + lane] (zero for a word
+    past the end); the column's element comes from lane `column` of the same warp, by a warp
+    shuffle on the fast path and by a gather across the program's threads on the safe path."""
     column, word = _pop_next_column(word, INTERPRETER_SAFE)
     for b in tl.static_range(len(acc)):
         if INTERPRETER_SAFE:
-            x = tl.load(x_lanes[b] + column, mask=valid, other=0.0).to(tl.float32)
+            thread = tl.arange(0, x_lanes[b].shape[0])
+            x = tl.gather(x_lanes[b], thread // 32 * 32 + column, 0).to(tl.float32, bitcast=True)
         else:
             x = tl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, $2, 31, -1;", "=r,r,r", [x_lanes[b], column],
                                           dtype=tl.uint32, is_pure=True, pack=1).to(tl.float32, bitcast=True)
@@ -150,13 +156,32 @@ def _multiply(acc, word, tile, x_lanes, valid, DTYPE: tl.constexpr, INTERPRETER_
 
 
 @triton.jit
-def _load_word(x_ptr, values_u32, mask_u32, k, rows, lane, n_rows, n_words, in_features, batch_rows,
+def _load_lane(ptr, INTERPRETER_SAFE: tl.constexpr):
+    """float32 of the element at each thread's ptr, read through L1 (.ca): every warp on the SM
+    reads the same x."""
+    DTYPE: tl.constexpr = ptr.dtype.element_ty
+    if INTERPRETER_SAFE:
+        value = tl.load(ptr).to(tl.float32)
+    elif DTYPE == tl.float32:
+        value = tl.inline_asm_elementwise("ld.global.ca.u32 $0, [$1];", "=r,l", [ptr],
+                                          dtype=tl.uint32, is_pure=True, pack=1).to(tl.float32, bitcast=True)
+    else:
+        bits = tl.inline_asm_elementwise("ld.global.ca.u16 $0, [$1];", "=r,l", [ptr],
+                                         dtype=tl.uint32, is_pure=True, pack=1)
+        value = _to_float(bits, DTYPE)
+    return value
+
+
+@triton.jit
+def _load_word(x_ptr, norm_ptr, values_u32, mask_u32, k, rows, lane, n_rows, n_words, x_stride, batch_rows,
                CHUNKS: tl.constexpr, U32_PER_CHUNK: tl.constexpr, BATCH: tl.constexpr, EVEN_K: tl.constexpr,
-               INTERPRETER_SAFE: tl.constexpr):
+               NORM: tl.constexpr, GATED: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
     """What a thread needs to multiply word k of its row: (word ready to scan, values, x lanes, valid).
 
-    Unless EVEN_K (the programs' words cover K exactly), a word past the end reads the last word
-    again and multiplies it by zero. x is read through L1: every warp on the SM reads the same x."""
+    Lane j of x is the input at column 32k + j after the fused prologue: silu(gate) * up when
+    GATED (x rows are [gate | up]), times the norm weight when NORM (the norm's 1/rms is a factor
+    of the whole row sum and is applied at the end). Unless EVEN_K (the programs' words cover K
+    exactly), a word past the end reads the last word again and multiplies it by zero."""
     if EVEN_K:
         valid = k >= 0  # always true; without clamping, the compiler steps the addresses by a constant
     else:
@@ -167,23 +192,37 @@ def _load_word(x_ptr, values_u32, mask_u32, k, rows, lane, n_rows, n_words, in_f
     for c in tl.static_range(CHUNKS):
         tile = tile + _load_u32(values_u32 + ((k * CHUNKS + c) * n_rows + rows) * U32_PER_CHUNK, U32_PER_CHUNK,
                                 INTERPRETER_SAFE)
-    X_DTYPE: tl.constexpr = x_ptr.dtype.element_ty
+    column = k * 32 + lane
+    if NORM:
+        scale = _load_lane(norm_ptr + column, INTERPRETER_SAFE)
     x_lanes = ()
     for b in tl.static_range(BATCH):
         # Rows of x past the batch repeat the last one (their results are not stored).
-        chunk = x_ptr + min(b, batch_rows - 1) * in_features + k * 32
-        if INTERPRETER_SAFE:
-            x_lanes = x_lanes + (chunk, )
-        else:
-            if X_DTYPE == tl.float32:
-                bits = tl.inline_asm_elementwise("ld.global.ca.u32 $0, [$1];", "=r,l", [chunk + lane],
-                                                 dtype=tl.uint32, is_pure=True, pack=1)
-            else:
-                bits = tl.inline_asm_elementwise("ld.global.ca.u16 $0, [$1];", "=r,l", [chunk + lane],
-                                                 dtype=tl.uint32, is_pure=True, pack=1)
-            bits = _to_float(bits, X_DTYPE).to(tl.uint32, bitcast=True)
-            x_lanes = x_lanes + (bits if EVEN_K else tl.where(valid, bits, 0), )
+        row = x_ptr + min(b, batch_rows - 1) * x_stride
+        x = _load_lane(row + column, INTERPRETER_SAFE)
+        if GATED:
+            x = x / (1.0 + tl.exp(-x)) * _load_lane(row + n_words * 32 + column, INTERPRETER_SAFE)
+        if NORM:
+            x = x * scale
+        bits = x.to(tl.uint32, bitcast=True)
+        x_lanes = x_lanes + (bits if EVEN_K else tl.where(valid, bits, 0), )
     return word, tile, x_lanes, valid
+
+
+@triton.jit
+def _inverse_rms(x_ptr, x_stride, batch_rows, in_features, eps, BATCH: tl.constexpr, THREADS: tl.constexpr):
+    """[BATCH] float32: 1 / sqrt(mean(x[b]^2) + eps) for each row b of x (RMSNorm's factor)."""
+    lanes = tl.arange(0, BATCH)
+    result = tl.zeros([BATCH], dtype=tl.float32)
+    for b in tl.static_range(BATCH):
+        row = x_ptr + min(b, batch_rows - 1) * x_stride
+        squares = tl.zeros([8 * THREADS], dtype=tl.float32)
+        for start in range(0, in_features, 8 * THREADS):
+            offsets = start + tl.arange(0, 8 * THREADS)
+            x = tl.load(row + offsets, mask=offsets < in_features, other=0.0).to(tl.float32)
+            squares += x * x
+        result = tl.where(lanes == b, tl.rsqrt(tl.sum(squares) / in_features + eps), result)
+    return result
 
 
 @triton.jit
@@ -199,11 +238,13 @@ def _join_lanes(acc, FIRST: tl.constexpr, COUNT: tl.constexpr):
 
 
 @triton.jit
-def _spmv_kernel(x_ptr, values_ptr, mask_ptr, y_ptr, workspace_ptr, arrivals_ptr,
-                 n_rows, n_words, words_per_warp, batch_rows, in_features,
+def _spmv_kernel(x_ptr, values_ptr, mask_ptr, y_ptr, workspace_ptr, arrivals_ptr, norm_ptr, residual_ptr,
+                 n_rows, n_words, words_per_warp, batch_rows, x_stride, norm_eps,
                  NNZ: tl.constexpr, CHUNK: tl.constexpr, BATCH: tl.constexpr, SLICES: tl.constexpr,
-                 PREFETCH: tl.constexpr, EVEN_K: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
-    """y[:batch_rows, rows] = x @ W[rows].T for the 32 rows of this program's row block.
+                 PREFETCH: tl.constexpr, EVEN_K: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
+                 GATED: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
+    """y[:batch_rows, rows] = residual + prologue(x) @ W[rows].T for the 32 rows of this program's
+    row block (`spmv` says what the optional prologue and residual are).
 
     Grid (row blocks, K splits); SLICES warps per program, warp s walking words_per_warp words
     from (split · SLICES + s) · words_per_warp. BATCH: batch_rows rounded up to a power of two."""
@@ -223,17 +264,17 @@ def _spmv_kernel(x_ptr, values_ptr, mask_ptr, y_ptr, workspace_ptr, arrivals_ptr
 
     # Software pipeline, PREFETCH words deep: word i + PREFETCH's loads are issued before word i
     # is multiplied.
-    word, tile, x_lanes, valid = _load_word(x_ptr, values_u32, mask_u32, k_first, rows, lane, n_rows, n_words,
-                                            in_features, batch_rows, CHUNKS, U32_PER_CHUNK, BATCH, EVEN_K,
-                                            INTERPRETER_SAFE)
+    word, tile, x_lanes, valid = _load_word(x_ptr, norm_ptr, values_u32, mask_u32, k_first, rows, lane, n_rows,
+                                            n_words, x_stride, batch_rows, CHUNKS, U32_PER_CHUNK, BATCH, EVEN_K,
+                                            NORM, GATED, INTERPRETER_SAFE)
     if PREFETCH == 2:
-        word1, tile1, x_lanes1, valid1 = _load_word(x_ptr, values_u32, mask_u32, k_first + 1, rows, lane, n_rows,
-                                                    n_words, in_features, batch_rows, CHUNKS, U32_PER_CHUNK, BATCH,
-                                                    EVEN_K, INTERPRETER_SAFE)
+        word1, tile1, x_lanes1, valid1 = _load_word(x_ptr, norm_ptr, values_u32, mask_u32, k_first + 1, rows, lane,
+                                                    n_rows, n_words, x_stride, batch_rows, CHUNKS, U32_PER_CHUNK,
+                                                    BATCH, EVEN_K, NORM, GATED, INTERPRETER_SAFE)
     for i in range(PREFETCH, words_per_warp):
         next_word, next_tile, next_x, next_valid = _load_word(
-            x_ptr, values_u32, mask_u32, k_first + i, rows, lane, n_rows, n_words, in_features, batch_rows,
-            CHUNKS, U32_PER_CHUNK, BATCH, EVEN_K, INTERPRETER_SAFE)
+            x_ptr, norm_ptr, values_u32, mask_u32, k_first + i, rows, lane, n_rows, n_words, x_stride, batch_rows,
+            CHUNKS, U32_PER_CHUNK, BATCH, EVEN_K, NORM, GATED, INTERPRETER_SAFE)
         acc = _multiply(acc, word, tile, x_lanes, valid, DTYPE, INTERPRETER_SAFE)
         if PREFETCH == 2:
             word, tile, x_lanes, valid = word1, tile1, x_lanes1, valid1
@@ -251,27 +292,44 @@ def _spmv_kernel(x_ptr, values_ptr, mask_ptr, y_ptr, workspace_ptr, arrivals_ptr
     lanes = tl.arange(0, BATCH)
     out_offsets = lanes[None, :] * n_rows + out_rows[:, None]
     out_ok = (out_rows < n_rows)[:, None] & (lanes < batch_rows)[None, :]
-    _store_or_reduce(acc, y_ptr, workspace_ptr, arrivals_ptr, tl.program_id(0), out_offsets, out_ok,
-                     tl.num_programs(1))
+    total, last = _sum_splits(acc, workspace_ptr, arrivals_ptr, tl.program_id(0), out_offsets, out_ok,
+                              tl.num_programs(1))
+    if last:  # this program holds the whole row sum: apply the epilogue and store
+        if NORM:  # 1/rms(x) factors out of the row sum, so only the storing program computes it
+            total = total * _inverse_rms(x_ptr, x_stride, batch_rows, n_words * 32, norm_eps, BATCH, THREADS)[None, :]
+        if RESIDUAL:
+            total += tl.load(residual_ptr + out_offsets, mask=out_ok, other=0.0).to(tl.float32)
+        tl.store(y_ptr + out_offsets, total.to(y_ptr.dtype.element_ty), mask=out_ok)
+
+
+@triton.jit
+def _sum_splits(acc, workspace_ptr, arrivals_ptr, counter, offsets, ok, n_splits):
+    """(row sums, whether this program holds them). With K split over n_splits programs, each adds
+    acc to the fp32 workspace; the last program of `counter` (its row block) to arrive takes the
+    sums and leaves workspace and counter zeroed. Shared by the SpMV and the tensor-core SpMM
+    (sparse/spmm.py)."""
+    total = acc
+    last = n_splits == 1
+    if n_splits > 1:
+        tl.atomic_add(workspace_ptr + offsets, acc, mask=ok, sem="relaxed")
+        tl.debug_barrier()  # every thread's partial sums are in before the arrival is counted
+        arrived = tl.atomic_add(arrivals_ptr + counter, 1, sem="acq_rel")
+        last = arrived == n_splits - 1
+        if last:
+            # Swap the sums out for zeros at L2 (as int32 bits: the interpreter has no float xchg).
+            sum_bits = tl.atomic_xchg((workspace_ptr + offsets).to(tl.pointer_type(tl.int32), bitcast=True),
+                                      tl.zeros_like(acc).to(tl.int32), mask=ok)
+            total = sum_bits.to(tl.float32, bitcast=True)
+            tl.atomic_xchg(arrivals_ptr + counter, 0)
+    return total, last
 
 
 @triton.jit
 def _store_or_reduce(acc, y_ptr, workspace_ptr, arrivals_ptr, counter, offsets, ok, n_splits):
-    """Store acc, or with K split over n_splits programs add it to the fp32 workspace; the last
-    program of `counter` (its row block) to arrive stores the sum and leaves workspace and
-    counter zeroed. Shared by the SpMV and the tensor-core SpMM (sparse/spmm.py)."""
-    if n_splits == 1:
-        tl.store(y_ptr + offsets, acc.to(y_ptr.dtype.element_ty), mask=ok)
-    else:
-        tl.atomic_add(workspace_ptr + offsets, acc, mask=ok, sem="relaxed")
-        tl.debug_barrier()  # every thread's partial sums are in before the arrival is counted
-        arrived = tl.atomic_add(arrivals_ptr + counter, 1, sem="acq_rel")
-        if arrived == n_splits - 1:
-            # Swap the sums out for zeros at L2 (as int32 bits: the interpreter has no float xchg).
-            sum_bits = tl.atomic_xchg((workspace_ptr + offsets).to(tl.pointer_type(tl.int32), bitcast=True),
-                                      tl.zeros_like(acc).to(tl.int32), mask=ok)
-            tl.store(y_ptr + offsets, sum_bits.to(tl.float32, bitcast=True).to(y_ptr.dtype.element_ty), mask=ok)
-            tl.atomic_xchg(arrivals_ptr + counter, 0)
+    """Store acc, or its sum over the n_splits programs of `counter` (see _sum_splits)."""
+    total, last = _sum_splits(acc, workspace_ptr, arrivals_ptr, counter, offsets, ok, n_splits)
+    if last:
+        tl.store(y_ptr + offsets, total.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -433,22 +491,37 @@ def spmv_config(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor):
     return _tuned_configs[key]
 
 
-def spmv(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, config=None, out=None) -> torch.Tensor:
-    """y = x @ W.T for x of shape (batch <= 16, in); W given as (values, mask); y in x's dtype.
+def spmv(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, config=None, out=None,
+         norm_weight: torch.Tensor = None, norm_eps: float = 0.0, residual: torch.Tensor = None,
+         gated: bool = False) -> torch.Tensor:
+    """y = residual + prologue(x) @ W.T for x of shape (batch <= 16, in); W given as (values, mask);
+    y in x's dtype.
 
+    The optional prologue and epilogue are the work around a decode step's linear layers, done
+    in this kernel instead of kernels of their own (one launch each per layer saved):
+    - norm_weight (in,): x -> RMSNorm(x) * norm_weight, with norm_eps;
+    - gated: x is (batch, 2 * in), [gate | up], and the layer's input is silu(gate) * up;
+    - residual (batch, out): added to the result.
     config: (slices, words per warp, prefetch) instead of the tuned choice; out: optional (batch,
     out_features) buffer to write into (tests poison it).
     """
-    batch, in_features = x.shape
+    batch, x_width = x.shape
     n_words, n_rows = mask.shape
-    if in_features != n_words * 32 or batch > MAX_SPMV_BATCH:
-        raise ValueError(f"spmv: x {tuple(x.shape)} does not fit a packed weight with in_features={n_words * 32}")
+    in_features = n_words * 32
+    if x_width != in_features * (2 if gated else 1) or batch > MAX_SPMV_BATCH:
+        raise ValueError(f"spmv: x {tuple(x.shape)} does not fit a packed weight with in_features={in_features}"
+                         f"{' (gated: x holds gate and up, 2 x in_features wide)' if gated else ''}")
+    if norm_weight is not None and norm_weight.shape != (in_features, ):
+        raise ValueError(f"spmv: norm weight {tuple(norm_weight.shape)} does not match in_features={in_features}")
+    if residual is not None and residual.shape != (batch, n_rows):
+        raise ValueError(f"spmv: residual {tuple(residual.shape)} does not match the output ({batch}, {n_rows})")
     chunks, _, chunk = values.shape
     nnz = chunks * chunk // n_words
     if nnz & (nnz - 1):
         raise ValueError(f"spmv needs a power-of-two number of kept weights per 32-bit word, got {nnz}")
-    if values.data_ptr() % 16 or not (values.is_contiguous() and mask.is_contiguous() and x.is_contiguous()):
-        raise ValueError("spmv needs contiguous x, values and mask, with values 16-byte aligned")
+    operands = [t for t in (x, values, mask, norm_weight, residual) if t is not None]
+    if values.data_ptr() % 16 or not all(t.is_contiguous() for t in operands):
+        raise ValueError("spmv needs contiguous operands, with values 16-byte aligned")
     slices, words_per_warp, prefetch = config or spmv_config(x, values, mask)
     if prefetch > words_per_warp:
         raise ValueError(f"spmv: a prefetch of {prefetch} words needs at least as many words per warp")
@@ -457,9 +530,11 @@ def spmv(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, config=None,
     workspace, arrivals = _workspace(x.device, batch * n_rows, row_blocks)
     y = torch.empty(batch, n_rows, dtype=x.dtype, device=x.device) if out is None else out
     _spmv_kernel[(row_blocks, split)](
-        x, values, mask, y, workspace, arrivals, n_rows, n_words, words_per_warp, batch, in_features,
+        x, values, mask, y, workspace, arrivals, x if norm_weight is None else norm_weight,
+        x if residual is None else residual, n_rows, n_words, words_per_warp, batch, x_width, norm_eps,
         NNZ=nnz, CHUNK=chunk, BATCH=triton.next_power_of_2(batch), SLICES=slices, PREFETCH=prefetch,
-        EVEN_K=n_words % (slices * words_per_warp) == 0, INTERPRETER_SAFE=INTERPRETING, num_warps=slices)
+        EVEN_K=n_words % (slices * words_per_warp) == 0, NORM=norm_weight is not None,
+        RESIDUAL=residual is not None, GATED=gated, INTERPRETER_SAFE=INTERPRETING, num_warps=slices)
     return y
 
 

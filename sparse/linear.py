@@ -11,6 +11,8 @@ The CUDA path is a `torch.library.custom_op`, so torch.compile(fullgraph=True) k
 opaque node and mode="reduce-overhead" records its kernels into the CUDA graph. (An opaque op
 rather than `triton_op` because the SpMV launcher owns a persistent split-K workspace.)
 """
+from typing import Optional
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -30,8 +32,12 @@ SPMM_PREFILL = False
 
 
 @torch.library.custom_op("sparse_decoding::bitmask_matmul", mutates_args=())
-def _bitmask_matmul(x: Tensor, values: Tensor, mask: Tensor) -> Tensor:
+def _bitmask_matmul(x: Tensor, values: Tensor, mask: Tensor, norm_weight: Optional[Tensor] = None,
+                    norm_eps: float = 0.0, residual: Optional[Tensor] = None, gated: bool = False) -> Tensor:
     rows = x.shape[0]
+    if norm_weight is not None or residual is not None or gated:  # the fused prologue/epilogue: SpMV only
+        return kernels.spmv(x, values, mask, norm_weight=norm_weight, norm_eps=norm_eps, residual=residual,
+                            gated=gated)
     if rows <= kernels.MAX_SPMV_BATCH:
         return kernels.spmv(x, values, mask) if rows < SPMM_MIN_ROWS else spmm.spmm(x, values, mask)
     if SPMM_PREFILL:
@@ -40,7 +46,8 @@ def _bitmask_matmul(x: Tensor, values: Tensor, mask: Tensor) -> Tensor:
 
 
 @_bitmask_matmul.register_fake
-def _(x: Tensor, values: Tensor, mask: Tensor) -> Tensor:
+def _(x: Tensor, values: Tensor, mask: Tensor, norm_weight: Optional[Tensor] = None, norm_eps: float = 0.0,
+      residual: Optional[Tensor] = None, gated: bool = False) -> Tensor:
     return x.new_empty(x.shape[0], mask.shape[1])
 
 
@@ -49,16 +56,30 @@ def _without_kernels(x: Tensor) -> bool:
     return x.device.type == "cpu" and not kernels.INTERPRETING
 
 
-def sparse_matmul(x: Tensor, values: Tensor, mask: Tensor) -> Tensor:
-    """x @ W.T for x of shape (..., in), W given packed as (values, mask)."""
+def _as_rows(x: Tensor) -> Tensor:
+    """(..., features) -> a contiguous (rows, features) view or copy."""
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if rows.is_contiguous() else rows.contiguous()
+
+
+def sparse_matmul(x: Tensor, values: Tensor, mask: Tensor, norm_weight: Tensor = None, norm_eps: float = 0.0,
+                  residual: Tensor = None, gated: bool = False) -> Tensor:
+    """x @ W.T for x of shape (..., in), W given packed as (values, mask).
+
+    With norm_weight / gated / residual: residual + prologue(x) @ W.T in one SpMV launch, the
+    prologue being RMSNorm(x) * norm_weight or, for x = [gate | up], silu(gate) * up
+    (kernels.spmv). Only for decode-sized x (up to 16 rows) where the kernels run."""
+    fused = norm_weight is not None or residual is not None or gated
     if _without_kernels(x):
+        if fused:
+            raise ValueError("sparse_matmul: the fused prologue/epilogue needs the Triton kernels (CUDA, or "
+                             "TRITON_INTERPRET=1)")
         return F.linear(x, unpack(values, mask).to(x.dtype))
     if x.is_cuda and not torch.compiler.is_compiling():
         kernels.reserve_workspace(x.device, mask.shape[1])  # eager calls (e.g. the prefill) run first
-    rows = x.reshape(-1, x.shape[-1])
-    if not rows.is_contiguous():
-        rows = rows.contiguous()
-    return _bitmask_matmul(rows, values, mask).reshape(*x.shape[:-1], mask.shape[1])
+    y = _bitmask_matmul(_as_rows(x), values, mask, norm_weight, norm_eps,
+                        None if residual is None else _as_rows(residual), gated)
+    return y.reshape(*x.shape[:-1], mask.shape[1])
 
 
 class SparseLinear(nn.Module):
@@ -82,10 +103,19 @@ class SparseLinear(nn.Module):
         layer.values, layer.mask = pack(weight, pattern, mask)
         return layer
 
-    def forward(self, x: Tensor) -> Tensor:
-        if _without_kernels(x):
+    def fuses(self, x: Tensor) -> bool:
+        """Whether forward can take the prologue and residual for this x (model.project asks): a
+        decode-sized x that goes to the SpMV kernel."""
+        return not _without_kernels(x) and x.numel() // x.shape[-1] < SPMM_MIN_ROWS
+
+    def forward(self, x: Tensor, norm: nn.Module = None, residual: Tensor = None, gated: bool = False) -> Tensor:
+        """x @ W.T; where `fuses(x)`, optionally residual + prologue(x) @ W.T in the same kernel, the
+        prologue being norm(x) for an RMSNorm module `norm` (its weight and eps), or silu(gate) *
+        up for a gated x = [gate | up]."""
+        if _without_kernels(x) and norm is None and residual is None and not gated:
             return F.linear(x, self._unpacked_for_cpu().to(x.dtype))
-        return sparse_matmul(x, self.values, self.mask)
+        return sparse_matmul(x, self.values, self.mask, None if norm is None else norm.weight,
+                             0.0 if norm is None else norm.eps, residual, gated)
 
     def _unpacked_for_cpu(self) -> Tensor:
         """The CPU has no sparse kernel (it is the correctness path: calibration, evaluation), and

@@ -16,3 +16,16 @@ def test_batch_one_spmv_machine_code():
     # (a layout conversion there would mean a barrier per word).
     assert report["loads"] == 4 and report["shared"] == 0
     assert report["loop"] / report["kept_weights"] < 10  # the issue budget is ~17.7 per kept weight
+
+
+def test_fused_prologues_cost_one_load_per_word():
+    # The RMSNorm prologue (wqkv, w13) adds the norm weight's load and a multiply per word, silu(gate)
+    # * up (w2) the up load and the silu: per word, not per kept weight, so the loop stays well
+    # under the issue budget.
+    for variant in ("norm", "gated"):
+        report = kernel_sass.compile_spmv(kernel_sass.kernels_module(), batch=1, slices=4, prefetch=2,
+                                          variant=variant)
+        assert report["spill_bytes"] == 0, variant
+        assert report["ffma"] == 16 and report["flo"] == 16 and report["shfl"] == 16, variant
+        assert report["loads"] == 5 and report["shared"] == 0, variant
+        assert report["loop"] / report["kept_weights"] < 10, variant

@@ -56,6 +56,87 @@ def test_spmv_16_bit(dtype):
     assert relative_error(y, x.double() @ unpack(values, mask).double().T) < 1e-2
 
 
+def fused_reference(x, weight, norm_weight=None, eps=0.0, residual=None, gated=False):
+    """float64 residual + prologue(x) @ weight.T, the prologue as model.py computes it unfused."""
+    x = x.double()
+    if gated:
+        gate, up = x.chunk(2, dim=-1)
+        x = torch.nn.functional.silu(gate) * up
+    if norm_weight is not None:
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.double()
+    y = x @ weight.double().T
+    return y if residual is None else y + residual.double()
+
+
+FUSED = {"norm": dict(norm=True), "norm+residual": dict(norm=True, residual=True),
+         "gated+residual": dict(gated=True, residual=True), "residual": dict(residual=True)}
+
+
+@interpreted
+@pytest.mark.parametrize("fusion", FUSED)
+@pytest.mark.parametrize("pattern,batch", [("2:4", 1), ("16:32", 3), ("4:8", 2)])
+def test_spmv_fused_prologue_and_residual_match_float64(fusion, pattern, batch):
+    # The same ragged shape and configs as above: whole K in one warp (one and two words ahead), a
+    # word past the end, and K split over programs (the epilogue then runs in the last to arrive).
+    seed = case_seed(fusion, pattern, batch)
+    values, mask = random_packed(37, 96, pattern, seed)
+    weight = unpack(values, mask)
+    for i, config in enumerate([(1, 3, 1), (1, 3, 2), (2, 2, 2), (2, 1, 1)]):
+        g = torch.Generator().manual_seed(seed + i)
+        x = 3 * torch.randn(batch, 192 if FUSED[fusion].get("gated") else 96, generator=g)
+        norm_weight = torch.randn(96, generator=g) if FUSED[fusion].get("norm") else None
+        residual = torch.randn(batch, 37, generator=g) if FUSED[fusion].get("residual") else None
+        gated = FUSED[fusion].get("gated", False)
+        out = torch.full((batch, 37), float("nan"))
+        y = kernels.spmv(x, values, mask, config=config, out=out, norm_weight=norm_weight, norm_eps=1e-5,
+                         residual=residual, gated=gated)
+        expected = fused_reference(x, weight, norm_weight, 1e-5, residual, gated)
+        assert relative_error(y, expected) < 1e-6, config
+        workspace, arrivals = kernels._workspace(x.device, 0, 0)
+        assert not workspace.any() and not arrivals.any(), "split-K must leave its workspace zeroed"
+
+
+@interpreted
+def test_spmv_rejects_fused_operands_of_the_wrong_shape():
+    values, mask = random_packed(8, 64, "2:4", 1)
+    with pytest.raises(ValueError, match=r"gated: x holds gate and up"):
+        kernels.spmv(torch.randn(1, 64), values, mask, gated=True)
+    with pytest.raises(ValueError, match=r"norm weight \(32,\) does not match in_features=64"):
+        kernels.spmv(torch.randn(1, 64), values, mask, norm_weight=torch.ones(32))
+    with pytest.raises(ValueError, match=r"residual \(1, 9\) does not match the output \(1, 8\)"):
+        kernels.spmv(torch.randn(1, 64), values, mask, residual=torch.ones(1, 9))
+
+
+@interpreted
+@torch.no_grad()
+def test_sparse_decode_step_through_the_fused_kernels_matches_float64():
+    """A whole model: the decode step's linears take norm, residual and silu * up into the SpMV
+    (SparseLinear.fuses under the interpreter), against the unpacked weights in float64 math."""
+    from model import ModelArgs, Transformer
+    from sparse import SparseLinear, swap_to_sparse
+    torch.manual_seed(0)
+    config = ModelArgs(dim=64, n_layer=2, n_head=4, n_local_heads=2, intermediate_size=96, vocab_size=50,
+                       block_size=32)
+    model = Transformer(config).eval()
+    for norm in [m for m in model.modules() if type(m).__name__ == "RMSNorm"]:
+        norm.weight.data = 1 + 0.3 * torch.randn_like(norm.weight)  # not all ones: the fused scale counts
+    swap_to_sparse(model, "2:4")
+    reference = Transformer(config).double().eval()
+    reference.load_state_dict({name: tensor.double() for name, tensor in model.state_dict().items()
+                               if not name.endswith((".values", ".mask"))}, strict=False)
+    for name, module in model.named_modules():
+        if isinstance(module, SparseLinear):
+            reference.get_submodule(name).weight.data = unpack(module.values, module.mask).double()
+    tokens = torch.randint(0, 50, (2, 6))
+    for m in (model, reference):
+        m.setup_caches(2, 16)
+        m(tokens[:, :5], torch.arange(5))
+    probe = model.layers[0].feed_forward.w2
+    assert probe.fuses(torch.zeros(2, 1, 96)) and not probe.fuses(torch.zeros(2, 5, 96))
+    logits = model(tokens[:, 5:], torch.tensor([5]))
+    assert relative_error(logits, reference(tokens[:, 5:], torch.tensor([5]))) < 1e-5
+
+
 @interpreted
 @pytest.mark.parametrize("pattern", ["2:4", "16:32", "1:4"])
 def test_unpack_to_dense_matches_unpack(pattern):
@@ -110,3 +191,25 @@ def test_gpu_spmv_dtypes_and_ragged_shapes(dtype, bound, pattern):
             assert relative_error(y, x.double() @ reference_weight.T) < bound, (config, batch)
             workspace, arrivals = kernels._workspace(x.device, 0, 0)
             assert not workspace.any() and not arrivals.any(), "split-K must leave its workspace zeroed"
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("fusion", ["norm", "residual", "gated+residual"])  # wqkv and w13; wo; w2
+@pytest.mark.parametrize("out_features,in_features", [(6144, 4096), (4096, 14336)])
+def test_gpu_spmv_fused_prologue_and_residual(fusion, out_features, in_features):
+    # Real shapes in bf16: every config the autotuner may pick at batch 1, two of them at batch 3.
+    values, mask = random_packed(out_features, in_features, "2:4", 11, device="cuda", dtype=torch.bfloat16)
+    weight = unpack(values, mask)
+    gated = FUSED[fusion].get("gated", False)
+    for batch in (1, 3):
+        configs = kernels.candidate_configs(out_features, in_features // 32, batch)
+        for config in configs if batch == 1 else configs[:1] + configs[-1:]:
+            x = torch.randn(batch, in_features * (2 if gated else 1), device="cuda", dtype=torch.bfloat16)
+            norm_weight = (1 + 0.3 * torch.randn(in_features, device="cuda")).bfloat16() if FUSED[fusion].get("norm") else None
+            residual = torch.randn(batch, out_features, device="cuda", dtype=torch.bfloat16) if FUSED[fusion].get("residual") else None
+            out = torch.full((batch, out_features), float("nan"), device="cuda", dtype=torch.bfloat16)
+            y = kernels.spmv(x, values, mask, config=config, out=out, norm_weight=norm_weight, norm_eps=1e-5,
+                             residual=residual, gated=gated)
+            expected = fused_reference(x, weight, norm_weight, 1e-5, residual, gated)
+            assert relative_error(y, expected) < 1e-2, (config, batch)
