@@ -466,7 +466,8 @@ def time_in_cuda_graph(calls, target_ms: float = 3.0, replays: int = 15) -> floa
 
 
 def spmv_config(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor):
-    """The fastest candidate config for this (out, in, batch), timed once and remembered.
+    """The fastest candidate config for this (out, in, batch), timed once and remembered; the fused
+    prologues and residual (spmv's options) run with the config their plain product was given.
 
     Timed as the benchmark and a compiled decode run it: inside a CUDA graph, rotating over copies
     of the weight that together exceed the L2 three times, so they come from DRAM. (triton's
@@ -484,6 +485,7 @@ def spmv_config(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor):
         else:
             nbytes = values.numel() * values.element_size() + mask.numel() * 4
             copies = [(values, mask)] + [(values.clone(), mask.clone()) for _ in range(copies_for(nbytes) - 1)]
+            x = torch.randn(x.shape[0], n_words * 32, dtype=x.dtype, device=x.device)  # x may be [gate | up]
             timings = [time_in_cuda_graph([lambda v=v, m=m, c=c: spmv(x, v, m, config=c) for v, m in copies],
                                           target_ms=1.0, replays=9) for c in configs]
             del copies
