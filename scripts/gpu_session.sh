@@ -78,9 +78,10 @@ done
 { date -u; nvidia-smi --query-gpu=index,name,clocks.sm,clocks.mem,driver_version --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
   # The device's copy of .git may lag the working tree it was sent, so also fingerprint the code:
-  # compare with `cat sparse/*.py decode_attention.py model.py generate.py | sha1sum` of a commit.
+  # compare with `LC_ALL=C; cat sparse/*.py decode_attention.py model.py generate.py | sha1sum` of a
+  # commit (the locale orders the glob: sparse/__init__.py first only in the C locale).
   git log -1 --format='commit %h %s (of the copied .git; see the code hash)' 2>/dev/null
-  echo "code hash $(cat sparse/*.py decode_attention.py model.py generate.py | sha1sum | cut -c1-12)"
+  (export LC_ALL=C; echo "code hash $(cat sparse/*.py decode_attention.py model.py generate.py | sha1sum | cut -c1-12)")
 } > "$OUT/environment.txt" 2>&1
 cat "$OUT/environment.txt"
 gpus=$(nvidia-smi --query-gpu=index --format=csv,noheader | wc -l)
