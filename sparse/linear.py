@@ -111,7 +111,8 @@ class SparseLinear(nn.Module):
     def forward(self, x: Tensor, norm: nn.Module = None, residual: Tensor = None, gated: bool = False) -> Tensor:
         """x @ W.T; where `fuses(x)`, optionally residual + prologue(x) @ W.T in the same kernel, the
         prologue being norm(x) for an RMSNorm module `norm` (its weight and eps), or silu(gate) *
-        up for a gated x = [gate | up]."""
+        up for a gated x = [gate | up]. (A forward hook on this module then sees x before the
+        prologue; prune/ and evaluation/ hook dense nn.Linear layers, which never fuse.)"""
         if _without_kernels(x) and norm is None and residual is None and not gated:
             return F.linear(x, self._unpacked_for_cpu().to(x.dtype))
         return sparse_matmul(x, self.values, self.mask, None if norm is None else norm.weight,
