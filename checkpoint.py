@@ -12,7 +12,6 @@ never leaves a half-written checkpoint behind.
 import json
 import os
 import pickle
-import tempfile
 import zipfile
 from pathlib import Path
 
@@ -28,11 +27,14 @@ class CheckpointError(Exception):
 
 
 def atomic_write(path, write_fn):
-    """Call write_fn(tmp_path), then rename tmp_path to path; remove the temp file on any failure."""
+    """Call write_fn(tmp_path), then rename tmp_path to path; remove the temp file on any failure.
+
+    The temp file is named after the process, not made by mkstemp, so write_fn creates it like any
+    other file: with the user's umask (mkstemp's would be private, 0600, and stay so after the
+    rename)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
+    tmp = str(path.with_name(f".{path.name}.{os.getpid()}.tmp"))
     try:
         write_fn(tmp)
         os.replace(tmp, path)
