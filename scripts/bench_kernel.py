@@ -2,7 +2,8 @@
 
 For every linear shape of Llama-3.1-8B, Qwen3-14B, Qwen3-32B and Llama-3.3-70B, at batch 1, 4, 8,
 16 and a 2048-token prefill: median time per call, achieved GB/s, speedup over cuBLAS bf16
-`F.linear`, over `to_sparse_semi_structured` (2:4, cuSPARSELt), and the bandwidth floor (the
+`F.linear`, over `to_sparse_semi_structured` (2:4, cuSPARSELt), the same SpMV with the prologue or
+epilogue a decode step fuses into it for that layer (up to 8 rows; DECODE_FUSION), and the bandwidth floor (the
 packed bytes over the fastest read bandwidth cuBLAS reached in the same run: a device copy,
 which also writes, measured only 2.77 TB/s here while GEMV streams read 4.18).
 
@@ -32,6 +33,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from sparse import kernels  # noqa: E402
 from sparse.format import pack  # noqa: E402
+from sparse.linear import SPMM_MIN_ROWS  # noqa: E402
 
 SHAPES = {  # (layer, out_features, in_features); qkv and w13 fused as in model.py
     "Llama-3.1-8B": [("qkv", 6144, 4096), ("o", 4096, 4096), ("w13", 28672, 4096), ("w2", 4096, 14336)],
@@ -51,6 +53,27 @@ def sparse_call(x, values, mask, config=None):
     if x.shape[0] <= kernels.MAX_SPMV_BATCH:
         return lambda: kernels.spmv(x, values, mask, config)
     return lambda: F.linear(x, kernels.unpack_to_dense(values, mask))
+
+
+# What a decode step's SparseLinear does inside its SpMV launch (model.project), per layer: the
+# RMSNorm before qkv and w13, silu(gate) * up before w2, the residual add after o and w2.
+DECODE_FUSION = {"qkv": dict(norm=True), "w13": dict(norm=True), "o": dict(residual=True),
+                 "w2": dict(gated=True, residual=True)}
+
+
+def fused_sparse_call(layer: str, batch: int, values, mask):
+    """The SpMV as a decode step runs it for this layer, with its inputs (the fused variants use the
+    config of the plain product, as spmv_config does)."""
+    n_words, n_rows = mask.shape
+    fusion = DECODE_FUSION[layer]
+    device, dtype = values.device, values.dtype
+    x = torch.randn(batch, n_words * 32 * (2 if fusion.get("gated") else 1), device=device, dtype=dtype)
+    options = dict(gated=fusion.get("gated", False))
+    if fusion.get("norm"):
+        options.update(norm_weight=torch.rand(n_words * 32, device=device, dtype=dtype) + 0.5, norm_eps=1e-5)
+    if fusion.get("residual"):
+        options["residual"] = torch.randn(batch, n_rows, device=device, dtype=dtype)
+    return lambda: kernels.spmv(x, values, mask, **options)
 
 
 def eager_time_per_call(calls, repeats: int = 20) -> float:
@@ -80,7 +103,7 @@ def semi_structured_time(weight_24: torch.Tensor, x: torch.Tensor, copies: int):
         return None, f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
 
 
-def bench_shape(out_features, in_features, batch, pattern, with_semi=True) -> dict:
+def bench_shape(out_features, in_features, batch, pattern, with_semi=True, layer=None) -> dict:
     weight = random_weight(out_features, in_features)
     values, mask = pack(weight, pattern)
     sparse_bytes = values.numel() * values.element_size() + mask.numel() * 4
@@ -90,12 +113,15 @@ def bench_shape(out_features, in_features, batch, pattern, with_semi=True) -> di
 
     packed = [(values, mask)] + [(values.clone(), mask.clone()) for _ in range(kernels.copies_for(sparse_bytes) - 1)]
     sparse_us = kernels.time_in_cuda_graph([sparse_call(x, v, m) for v, m in packed])
+    fused_us = None
+    if layer in DECODE_FUSION and batch < SPMM_MIN_ROWS:  # the rows a decode step fuses (SparseLinear.fuses)
+        fused_us = kernels.time_in_cuda_graph([fused_sparse_call(layer, batch, v, m) for v, m in packed])
     del packed
     weights = [weight] + [weight.clone() for _ in range(kernels.copies_for(dense_bytes) - 1)]
     dense_us = kernels.time_in_cuda_graph([lambda w=w: F.linear(x, w) for w in weights])
     del weights
     row = dict(out=out_features, inp=in_features, batch=batch, pattern=pattern,
-               sparse_us=sparse_us, dense_us=dense_us, speedup=dense_us / sparse_us,
+               sparse_us=sparse_us, fused_us=fused_us, dense_us=dense_us, speedup=dense_us / sparse_us,
                sparse_gbps=(sparse_bytes + io_bytes) / sparse_us / 1e3,
                dense_gbps=(dense_bytes + io_bytes) / dense_us / 1e3, sparse_bytes=sparse_bytes + io_bytes)
     if batch > kernels.MAX_SPMV_BATCH:
@@ -211,16 +237,18 @@ def markdown_table(rows: list) -> str:
     peak_gbps = max(r["dense_gbps"] for r in rows)
     lines = [f"Floor = packed bytes (+ x, y) at {peak_gbps / 1e3:.2f} TB/s, the fastest cuBLAS read of this run. "
              "Times in µs per call inside a CUDA graph; speedup = cuBLAS time / sparse time; torch 2:4 is "
-             "`to_sparse_semi_structured` + F.linear timed eagerly.", "",
-             "| model | layer | out×in | batch | sparse µs | GB/s | floor µs | cuBLAS µs | speedup | torch 2:4 µs | vs 2:4 |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "`to_sparse_semi_structured` + F.linear timed eagerly; fused µs: the same SpMV with the work a "
+             "decode step gives it (RMSNorm before qkv/w13, silu·mul before w2, residual after o/w2).", "",
+             "| model | layer | out×in | batch | sparse µs | GB/s | floor µs | cuBLAS µs | speedup | fused µs | torch 2:4 µs | vs 2:4 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         semi = f"{r['semi_us']:.1f}" if r.get("semi_us") else (r.get("semi_error") or "-")
         vs_semi = f"{r['speedup_vs_semi']:.2f}×" if r.get("speedup_vs_semi") else "-"
         floor_us = r["sparse_bytes"] / peak_gbps / 1e3
+        fused = f"{r['fused_us']:.1f}" if r.get("fused_us") else "-"
         lines.append(f"| {r['model']} | {r['layer']} | {r['out']}×{r['inp']} | {r['batch']} | {r['sparse_us']:.1f} | "
                      f"{r['sparse_gbps']:.0f} | {floor_us:.1f} | {r['dense_us']:.1f} | {r['speedup']:.2f}× | "
-                     f"{semi} | {vs_semi} |")
+                     f"{fused} | {semi} | {vs_semi} |")
     return "\n".join(lines) + "\n"
 
 
@@ -262,10 +290,10 @@ def main():
         for layer, out_features, in_features in SHAPES[model]:
             for pattern in args.patterns.split(","):
                 for batch in batches:
-                    row = bench_shape(out_features, in_features, batch, pattern, not args.no_semi)
+                    row = bench_shape(out_features, in_features, batch, pattern, not args.no_semi, layer)
                     rows.append(dict(model=model, layer=layer, **row))
                     print(f"{model} {layer} {out_features}x{in_features} {pattern} b{batch}: sparse {row['sparse_us']:.1f} "
-                          f"dense {row['dense_us']:.1f} -> {row['speedup']:.2f}x  semi {row.get('semi_us')} "
+                          f"fused {row['fused_us']} dense {row['dense_us']:.1f} -> {row['speedup']:.2f}x  semi {row.get('semi_us')} "
                           f"{row.get('semi_error') or ''}", flush=True)
                     torch.cuda.empty_cache()
                     # Written after every row: a run cut off by its time limit keeps what it measured.
