@@ -20,9 +20,10 @@
 #   kernel_ncu      Nsight Compute (full set, SASS source page with stall samples) of the tuned batch-1
 #                   SpMV on 4096x4096, 28672x4096 and 4096x14336 (~2)
 #   spmm            gpu_spmm_check.sh bench: tensor-core SpMM vs SpMV vs cuBLAS (~3)
-#   decode_b1       Llama-3.1-8B dense + GPT-Fast (needs .gptfast carried) + 2:4..16:32, --profile (~7; on
-#                   2026-12-02 GPT-Fast's first compile outlasted 220 and 250 s: then use decode_gptfast)
-#   decode_gptfast  Llama-3.1-8B our dense + GPT-Fast alone, GPT-Fast given 450 s (~9)
+#   decode_b1       Llama-3.1-8B dense + GPT-Fast (needs .gptfast carried) + 2:4..16:32, --profile (~7; GPT-Fast's
+#                   first call took 116 s once its driver ran under no_grad, 2026-12-02 session 9; before, with
+#                   autograd on, it outlasted 220 and 250 s)
+#   decode_gptfast  Llama-3.1-8B our dense + GPT-Fast alone, GPT-Fast given 450 s (~4.5)
 #   decode_b1_ours  the same without GPT-Fast, dense and 2:4 only (~4)
 #   decode_b1_patterns  our dense and 4:8, 8:16, 16:32, each in a fresh process (~6)
 #   decode_batches  Llama-3.1-8B dense and 2:4 at batch 4 and 8 (~8)
