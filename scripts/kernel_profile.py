@@ -14,12 +14,41 @@ def profile_steps(run, steps: int, path: Path):
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         run()
         torch.cuda.synchronize()
+    timeline = timeline_summary(prof, steps)
     events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     events.sort(key=lambda e: -e.self_device_time_total)
     total_us = sum(e.self_device_time_total for e in events) / steps
     lines = [f"{steps} decode steps (+ one prefill, included below); GPU kernel time per step {total_us:.1f} us",
              f"{'us/step':>9} {'calls/step':>10}  kernel"]
     lines += [f"{e.self_device_time_total / steps:9.1f} {e.count / steps:10.2f}  {e.key[:150]}" for e in events[:60]]
+    lines += [""] + timeline
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
     print("\n".join(lines[:25]), flush=True)
+
+
+def timeline_summary(prof, steps: int) -> list:
+    """Lines on how the kernels sit in time, which their summed durations hide: the GPU's busy time
+    (the union of kernel intervals) and idle time per step, and for the kernels that take most
+    time, the mean gap between the previous kernel's end and their start (negative: they started
+    early, as a programmatic dependent launch may, and waited) and their exposed time (end minus
+    the later of their start and the previous end: what they add to the step)."""
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                     if e.device_type == torch.autograd.DeviceType.CUDA)
+    if not kernels:
+        return []
+    busy, stats, last_end = 0.0, {}, kernels[0][0]
+    for start, end, name in kernels:
+        busy += max(0.0, end - max(start, last_end))
+        gaps, exposed = stats.setdefault(name, ([], []))
+        gaps.append(start - last_end)
+        exposed.append(max(0.0, end - max(start, last_end)))
+        last_end = max(last_end, end)
+    span = last_end - kernels[0][0]
+    lines = [f"timeline: span {span / steps:.1f} us/step, GPU busy (union of kernels) {busy / steps:.1f}, "
+             f"idle {(span - busy) / steps:.1f}",
+             f"{'exposed us/step':>15} {'mean gap before us':>18} {'calls/step':>10}  kernel"]
+    top = sorted(stats.items(), key=lambda item: -sum(item[1][1]))[:15]
+    lines += [f"{sum(exposed) / steps:15.1f} {sum(gaps) / len(gaps):18.2f} {len(gaps) / steps:10.2f}  {name[:120]}"
+              for name, (gaps, exposed) in top]
+    return lines

@@ -216,3 +216,45 @@ def test_gpu_spmv_fused_prologue_and_residual(fusion, out_features, in_features)
         # The tuned config, as a decode step gets it (the tuner times the plain product).
         y = kernels.spmv(x, values, mask, norm_weight=norm_weight, norm_eps=1e-5, residual=residual, gated=gated)
         assert relative_error(y, expected) < 1e-2, batch
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.skipif(not (torch.cuda.is_available() and kernels.pdl_available("cuda")), reason="PDL needs Hopper or later")
+def test_gpu_spmv_chain_with_pdl_in_a_cuda_graph():
+    """Each SpMV reads the previous one's output (x and residual) while launched to overlap it: the
+    PDL wait must come before those reads and before the split-K workspace, which consecutive
+    calls share. Checked link by link against float64, over two graph replays with new inputs so
+    that a read of last replay's x would show."""
+    n = 4096
+    layers = [random_packed(n, n, "2:4", 20 + i, device="cuda", dtype=torch.bfloat16) for i in range(6)]
+    configs = [(2, 4, 2), (16, 8, 1), (8, 2, 2), (32, 4, 2), (4, 8, 1), (2, 2, 1)]  # split K or whole K
+    x = torch.empty(1, n, device="cuda", dtype=torch.bfloat16)
+    norm_weight = (1 + 0.3 * torch.randn(n, device="cuda")).bfloat16()
+
+    def chain():
+        outputs, h = [], x
+        for i, ((values, mask), config) in enumerate(zip(layers, configs)):
+            options = dict(norm_weight=norm_weight, norm_eps=1e-5) if i % 2 else dict(residual=h)
+            h = kernels.spmv(h, values, mask, config=config, pdl=True, **options)
+            outputs.append(h)
+        return outputs
+
+    x.copy_(torch.randn(1, n, device="cuda"))
+    chain()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = chain()
+    for replay in range(2):
+        x.copy_(torch.randn(1, n, device="cuda") * (replay + 1))
+        graph.replay()
+        torch.cuda.synchronize()
+        h = x
+        for i, ((values, mask), y) in enumerate(zip(layers, outputs)):
+            weight = unpack(values, mask)
+            expected = (fused_reference(h, weight, norm_weight, 1e-5) if i % 2 else
+                        fused_reference(h, weight, residual=h))
+            assert relative_error(y, expected) < 1e-2, (replay, i)
+            h = y
+    workspace, arrivals = kernels._workspace(x.device, 0, 0)
+    assert not workspace.any() and not arrivals.any()
