@@ -18,7 +18,7 @@ torch's format can also run); `--patterns` times others. Correctness is checked 
 
     python scripts/bench_kernel.py --out-md docs/kernel_table.md --out-json runs/bench_kernel.json
     python scripts/bench_kernel.py --sweep   # config sweep on a few shapes (what the autotuner picks from)
-    python scripts/bench_kernel.py --chain Llama-3.1-8B   # a decode step's 128 SpMVs, with and without PDL
+    python scripts/bench_kernel.py --chain Llama-3.1-8B   # a decode step's 128 SpMVs back to back
     python scripts/bench_kernel.py --ncu-shapes 4096x4096   # targets for Nsight Compute (see ncu_targets)
 """
 import argparse
@@ -50,9 +50,9 @@ def random_weight(out_features: int, in_features: int) -> torch.Tensor:
     return torch.randn(out_features, in_features, device="cuda", dtype=torch.bfloat16) / in_features ** 0.5
 
 
-def sparse_call(x, values, mask, config=None, pdl=None):
+def sparse_call(x, values, mask, config=None):
     if x.shape[0] <= kernels.MAX_SPMV_BATCH:
-        return lambda: kernels.spmv(x, values, mask, config, pdl=pdl)
+        return lambda: kernels.spmv(x, values, mask, config)
     return lambda: F.linear(x, kernels.unpack_to_dense(values, mask))
 
 
@@ -80,8 +80,9 @@ def fused_sparse_call(layer: str, batch: int, values, mask):
 def decode_chain(model: str, pattern: str = "2:4", layers: int = 32, distinct: int = 8) -> dict:
     """The SpMV part of a batch-1 decode step: `layers` layers of qkv (norm) -> o (residual) -> w13
     (norm) -> w2 (gated + residual), each reading the output of the one before, with a small copy
-    kernel between qkv and o where attention would be; microseconds per step with and without PDL.
-    `distinct` different layers' weights are cycled (enough to miss the L2)."""
+    kernel between qkv and o where attention would be; microseconds per step, measured twice.
+    `distinct` different layers' weights are cycled (enough to miss the L2). Compare with the
+    SpMV's share of a profiled decode step (bench_decode.py --profile)."""
     shapes = {layer: (out_features, in_features) for layer, out_features, in_features in SHAPES[model]}
     dim = shapes["o"][0]
     weights = [{layer: pack(random_weight(*shapes[layer]), pattern) for layer in shapes} for _ in range(distinct)]
@@ -89,22 +90,18 @@ def decode_chain(model: str, pattern: str = "2:4", layers: int = 32, distinct: i
     h0 = torch.randn(1, dim, device="cuda", dtype=torch.bfloat16)
     attention = torch.empty(1, shapes["o"][1], device="cuda", dtype=torch.bfloat16)
 
-    def step(pdl):
+    def step():
         h = h0
         for i in range(layers):
             w = weights[i % distinct]
-            qkv = kernels.spmv(h, *w["qkv"], norm_weight=norm_weight, norm_eps=1e-5, pdl=pdl)
+            qkv = kernels.spmv(h, *w["qkv"], norm_weight=norm_weight, norm_eps=1e-5)
             attention.copy_(qkv[:, :attention.shape[1]])  # stands in for RoPE and attention
-            h = kernels.spmv(attention, *w["o"], residual=h, pdl=pdl)
-            gate_up = kernels.spmv(h, *w["w13"], norm_weight=norm_weight, norm_eps=1e-5, pdl=pdl)
-            h = kernels.spmv(gate_up, *w["w2"], gated=True, residual=h, pdl=pdl)
+            h = kernels.spmv(attention, *w["o"], residual=h)
+            gate_up = kernels.spmv(h, *w["w13"], norm_weight=norm_weight, norm_eps=1e-5)
+            h = kernels.spmv(gate_up, *w["w2"], gated=True, residual=h)
         return h
 
-    result = dict(model=model, layers=layers)
-    for pdl in (False, True, False, True):  # twice each, interleaved: the second pair shows the drift
-        result.setdefault(f"{'pdl' if pdl else 'no_pdl'}_us", []).append(
-            kernels.time_in_cuda_graph([lambda pdl=pdl: step(pdl)], replays=21))
-    return result
+    return dict(model=model, layers=layers, step_us=[kernels.time_in_cuda_graph([step], replays=21) for _ in range(2)])
 
 
 def eager_time_per_call(calls, repeats: int = 20) -> float:
@@ -144,9 +141,7 @@ def bench_shape(out_features, in_features, batch, pattern, with_semi=True, layer
 
     packed = [(values, mask)] + [(values.clone(), mask.clone()) for _ in range(kernels.copies_for(sparse_bytes) - 1)]
     sparse_us = kernels.time_in_cuda_graph([sparse_call(x, v, m) for v, m in packed])
-    fused_us = no_pdl_us = None
-    if batch <= kernels.MAX_SPMV_BATCH and kernels.pdl_available(x.device):
-        no_pdl_us = kernels.time_in_cuda_graph([sparse_call(x, v, m, pdl=False) for v, m in packed])
+    fused_us = None
     if layer in DECODE_FUSION and batch < SPMM_MIN_ROWS:  # the rows a decode step fuses (SparseLinear.fuses)
         fused_us = kernels.time_in_cuda_graph([fused_sparse_call(layer, batch, v, m) for v, m in packed])
     del packed
@@ -154,7 +149,7 @@ def bench_shape(out_features, in_features, batch, pattern, with_semi=True, layer
     dense_us = kernels.time_in_cuda_graph([lambda w=w: F.linear(x, w) for w in weights])
     del weights
     row = dict(out=out_features, inp=in_features, batch=batch, pattern=pattern,
-               sparse_us=sparse_us, no_pdl_us=no_pdl_us, fused_us=fused_us, dense_us=dense_us, speedup=dense_us / sparse_us,
+               sparse_us=sparse_us, fused_us=fused_us, dense_us=dense_us, speedup=dense_us / sparse_us,
                sparse_gbps=(sparse_bytes + io_bytes) / sparse_us / 1e3,
                dense_gbps=(dense_bytes + io_bytes) / dense_us / 1e3, sparse_bytes=sparse_bytes + io_bytes)
     if batch > kernels.MAX_SPMV_BATCH:
@@ -271,20 +266,17 @@ def markdown_table(rows: list) -> str:
     lines = [f"Floor = packed bytes (+ x, y) at {peak_gbps / 1e3:.2f} TB/s, the fastest cuBLAS read of this run. "
              "Times in µs per call inside a CUDA graph; speedup = cuBLAS time / sparse time; torch 2:4 is "
              "`to_sparse_semi_structured` + F.linear timed eagerly; fused µs: the same SpMV with the work a "
-             "decode step gives it (RMSNorm before qkv/w13, silu·mul before w2, residual after o/w2); no PDL µs: "
-             "the plain SpMV launched without programmatic dependent launch (each call waits for the last "
-             "to finish before it starts).", "",
-             "| model | layer | out×in | batch | sparse µs | GB/s | floor µs | cuBLAS µs | speedup | no PDL µs | fused µs | torch 2:4 µs | vs 2:4 |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "decode step gives it (RMSNorm before qkv/w13, silu·mul before w2, residual after o/w2).", "",
+             "| model | layer | out×in | batch | sparse µs | GB/s | floor µs | cuBLAS µs | speedup | fused µs | torch 2:4 µs | vs 2:4 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         semi = f"{r['semi_us']:.1f}" if r.get("semi_us") else (r.get("semi_error") or "-")
         vs_semi = f"{r['speedup_vs_semi']:.2f}×" if r.get("speedup_vs_semi") else "-"
         floor_us = r["sparse_bytes"] / peak_gbps / 1e3
         fused = f"{r['fused_us']:.1f}" if r.get("fused_us") else "-"
-        no_pdl = f"{r['no_pdl_us']:.1f}" if r.get("no_pdl_us") else "-"
         lines.append(f"| {r['model']} | {r['layer']} | {r['out']}×{r['inp']} | {r['batch']} | {r['sparse_us']:.1f} | "
                      f"{r['sparse_gbps']:.0f} | {floor_us:.1f} | {r['dense_us']:.1f} | {r['speedup']:.2f}× | "
-                     f"{no_pdl} | {fused} | {semi} | {vs_semi} |")
+                     f"{fused} | {semi} | {vs_semi} |")
     return "\n".join(lines) + "\n"
 
 
@@ -315,8 +307,7 @@ def main():
     if args.chain:
         rows = [decode_chain(model) for model in args.chain.split(",")]
         for row in rows:
-            print(f"{row['model']}: {row['layers']} layers of SpMVs, µs a step: without PDL "
-                  f"{', '.join(f'{t:.1f}' for t in row['no_pdl_us'])}; with PDL {', '.join(f'{t:.1f}' for t in row['pdl_us'])}")
+            print(f"{row['model']}: {row['layers']} layers of SpMVs, µs a step: {', '.join(f'{t:.1f}' for t in row['step_us'])}")
         if args.out_json:
             args.out_json.write_text(json.dumps(rows, indent=1))
         return
@@ -338,7 +329,7 @@ def main():
                     row = bench_shape(out_features, in_features, batch, pattern, not args.no_semi, layer)
                     rows.append(dict(model=model, layer=layer, **row))
                     print(f"{model} {layer} {out_features}x{in_features} {pattern} b{batch}: sparse {row['sparse_us']:.1f} "
-                          f"no-PDL {row['no_pdl_us']} fused {row['fused_us']} dense {row['dense_us']:.1f} -> {row['speedup']:.2f}x  semi {row.get('semi_us')} "
+                          f"fused {row['fused_us']} dense {row['dense_us']:.1f} -> {row['speedup']:.2f}x  semi {row.get('semi_us')} "
                           f"{row.get('semi_error') or ''}", flush=True)
                     torch.cuda.empty_cache()
                     # Written after every row: a run cut off by its time limit keeps what it measured.

@@ -13,9 +13,7 @@
 #   kernel_table    bench_kernel.py: the issue-3 table, 16 shapes x batch 1/4/8/16/2048 (~4)
 #   kernel_table_b1_prefill  the same table at batch 1 and the 2048-token prefill only (~5)
 #   kernel_table_b1  the same table at batch 1 only, without torch's 2:4 (~1)
-#   kernel_chain    bench_kernel.py --chain: a decode step's SpMVs back to back, with and without PDL (~1)
-#   decode_b1_pdl_ab  Llama-3.1-8B 2:4 without, then with PDL, each a fresh process (~4)
-#   pdl_gpu_tests   the SpMV GPU tests that PDL touches: the chain in a CUDA graph, the fused variants, every config (~2)
+#   kernel_chain    bench_kernel.py --chain: a decode step's SpMVs back to back, no model compile (~1)
 #   kernel_sweep    bench_kernel.py --sweep on the Llama-3.1-8B and Qwen3-14B shapes at batch 1 and 4 (~4)
 #   kernel_sweep_b1 the same sweep at batch 1 on all 16 shapes of the kernel table, with cuBLAS (~2)
 #   kernel_sweep_batches  the sweep at batch 4, 8 and 16 on the four Llama-3.1-8B shapes (~2)
@@ -56,8 +54,6 @@ declare -A JOBS=(
   [kernel_table_b1_prefill]="python3 scripts/bench_kernel.py --batches 2048,1 --out-md \$JOB/table.md --out-json \$JOB/bench.json"
   [kernel_table_b1]="python3 scripts/bench_kernel.py --batches 1 --no-semi --out-md \$JOB/table.md --out-json \$JOB/bench.json"
   [kernel_chain]="python3 scripts/bench_kernel.py --chain Llama-3.1-8B,Qwen3-14B --out-json \$JOB/chain.json"
-  [decode_b1_pdl_ab]="env SPARSE_DECODING_PDL=0 $DECODE --models Llama-3.1-8B --patterns 2:4 --batch_sizes 1 --profile --out \$JOB/no_pdl && $DECODE --models Llama-3.1-8B --patterns 2:4 --batch_sizes 1 --profile --out \$JOB/pdl"
-  [pdl_gpu_tests]="python3 -m pytest -v -m gpu tests/test_sparse_kernels.py -k 'pdl or fused or every_candidate'"
   [kernel_table]="python3 scripts/bench_kernel.py --out-md \$JOB/table.md --out-json \$JOB/bench.json"
   [kernel_sweep]="python3 scripts/bench_kernel.py --sweep --sweep-shapes 6144x4096,4096x4096,28672x4096,4096x14336,7168x5120,5120x5120,34816x5120,5120x17408 --sweep-batches 1,4 --out-json \$JOB/sweep.json"
   [kernel_sweep_b1]="python3 scripts/bench_kernel.py --sweep --sweep-shapes all --sweep-batches 1 --out-json \$JOB/sweep.json --out-md \$JOB/sweep.md"

@@ -57,18 +57,18 @@ def kernels_module(revision: str = None):
 
 
 def compile_spmv(kernels, batch: int, slices: int, prefetch: int, nnz_per_word: int = 16,
-                 dtype: str = "bf16", even_k: bool = True, variant: str = "plain", pdl: bool = False) -> dict:
+                 dtype: str = "bf16", even_k: bool = True, variant: str = "plain") -> dict:
     """Compile the SpMV for sm_90a and count its machine code; one loop trip = one mask word of
     one row per thread, so per kept weight = loop instructions / nnz_per_word. variant: "plain",
     "norm" (the RMSNorm prologue: what wqkv and w13 run in a decode step) or "gated" (silu(gate) *
-    up and the residual: w2); pdl: with the programmatic-dependent-launch wait."""
+    up and the residual: w2)."""
     signature = {"x_ptr": f"*{dtype}", "values_ptr": f"*{dtype}", "mask_ptr": "*i32", "y_ptr": f"*{dtype}",
                  "workspace_ptr": "*fp32", "arrivals_ptr": "*i32", "norm_ptr": f"*{dtype}",
                  "residual_ptr": f"*{dtype}", "n_rows": "i32", "n_words": "i32", "words_per_warp": "i32",
                  "batch_rows": "i32", "x_stride": "i32", "in_features": "i32", "norm_eps": "fp32"}
     constants = dict(NNZ=nnz_per_word, CHUNK=min(8, nnz_per_word), BATCH=batch, SLICES=slices, PREFETCH=prefetch,
                      EVEN_K=even_k, NORM=variant == "norm", RESIDUAL=variant == "gated",
-                     GATED=variant == "gated", PDL=pdl, INTERPRETER_SAFE=False)
+                     GATED=variant == "gated", INTERPRETER_SAFE=False)
     signature.update({name: "constexpr" for name in constants})
     # The arguments this revision's kernel has (older ones lack the fused operands).
     signature = {name: kind for name, kind in signature.items() if name in kernels._spmv_kernel.arg_names}
@@ -101,7 +101,6 @@ def main():
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--variant", default="plain", choices=["plain", "norm", "gated"],
                    help="norm: with the RMSNorm prologue (wqkv, w13); gated: silu(gate) * up and the residual (w2)")
-    p.add_argument("--pdl", action="store_true", help="compile with the programmatic-dependent-launch wait")
     p.add_argument("--revision", help="compile sparse/kernels.py as of this git revision instead")
     p.add_argument("--sass_out", type=Path, help="write each config's SASS into this folder")
     args = p.parse_args()
@@ -109,8 +108,7 @@ def main():
     print(f"{'batch':>5} {'regs':>5} {'spill B':>7} {'loop':>5} {'FFMA':>5} {'FLO':>4} {'SHFL':>4} {'LDG':>4} "
           f"{'LDS/STS/BAR':>11} {'last LDG at':>11} {'per kept weight':>16}")
     for batch in args.batch:
-        r = compile_spmv(kernels, batch, args.slices, args.prefetch, dtype=args.dtype, variant=args.variant,
-                         **({"pdl": True} if args.pdl else {}))
+        r = compile_spmv(kernels, batch, args.slices, args.prefetch, dtype=args.dtype, variant=args.variant)
         last = f"{r['last_load_at']:.0%}" if r["last_load_at"] is not None else "-"
         print(f"{batch:5d} {r['registers']:5d} {r['spill_bytes']:7d} {r['loop'] or '-':>5} {r['ffma']:5d} "
               f"{r['flo']:4d} {r['shfl']:4d} {r['loads']:4d} {r['shared']:11d} {last:>11} "

@@ -16,8 +16,6 @@
   block to arrive casting the sum to the output dtype and zeroing the workspace again, so one
   launch does everything and the workspace is always clean for the next call. Slices and words
   per warp are autotuned per (out, in, batch).
-  Launched as a programmatic dependent launch on Hopper (USE_PDL): the first weight loads go out
-  before the wait for the previous kernel.
   Around the product the SpMV can do a decode step's small ops that would otherwise each be a
   kernel launch of a few microseconds (~100 per Llama-3.1-8B step): RMSNorm of x (the norm
   weight multiplies x's lanes as they are loaded; 1/rms factors out of the row sum, so only the
@@ -32,22 +30,15 @@ instead of the shuffle, and a bit scan that takes the lowest set bit's index fro
 exponent of (w & -w), exact for a power of two. Measurements and SASS counts behind these
 choices: docs/KERNEL_NOTES.md.
 """
-import functools
 import math
 import os
 
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_SPMV_BATCH = 16
-# Programmatic dependent launch for the SpMV (Hopper on): each launch may start while the kernel
-# before it drains, and issues its first weight loads before waiting for that kernel's output, so
-# a decode step's 128 back-to-back SpMVs do not each pay a launch and a pipeline fill on an idle
-# GPU. Measured: docs/KERNEL_NOTES.md, session 10. Off: SPARSE_DECODING_PDL=0.
-USE_PDL = os.environ.get("SPARSE_DECODING_PDL", "1") != "0"
 
 
 @triton.jit
@@ -182,14 +173,15 @@ def _load_lane(ptr, INTERPRETER_SAFE: tl.constexpr):
 
 
 @triton.jit
-def _load_weights(values_u32, mask_u32, k, rows, n_rows, n_words, CHUNKS: tl.constexpr, U32_PER_CHUNK: tl.constexpr,
-                  EVEN_K: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
-    """Word k of each thread's row, ready to scan, and its packed values: (word, values, k, valid).
+def _load_word(x_ptr, norm_ptr, values_u32, mask_u32, k, rows, lane, n_rows, n_words, x_stride, batch_rows,
+               CHUNKS: tl.constexpr, U32_PER_CHUNK: tl.constexpr, BATCH: tl.constexpr, EVEN_K: tl.constexpr,
+               NORM: tl.constexpr, GATED: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
+    """What a thread needs to multiply word k of its row: (word ready to scan, values, x lanes, valid).
 
-    Only the weights, which no earlier kernel writes, so a launch that overlaps the previous
-    kernel (PDL in `_spmv_kernel`) may issue these loads before waiting for it. Unless EVEN_K
-    (the programs' words cover K exactly), a word past the end reads the last word again (k is
-    clamped; valid says to multiply it by zero)."""
+    Lane j of x is the input at column 32k + j after the fused prologue: silu(gate) * up when
+    GATED (x rows are [gate | up]), times the norm weight when NORM (the norm's 1/rms is a factor
+    of the whole row sum and is applied at the end). Unless EVEN_K (the programs' words cover K
+    exactly), a word past the end reads the last word again and multiplies it by zero."""
     if EVEN_K:
         valid = k >= 0  # always true; without clamping, the compiler steps the addresses by a constant
     else:
@@ -200,18 +192,6 @@ def _load_weights(values_u32, mask_u32, k, rows, n_rows, n_words, CHUNKS: tl.con
     for c in tl.static_range(CHUNKS):
         tile = tile + _load_u32(values_u32 + ((k * CHUNKS + c) * n_rows + rows) * U32_PER_CHUNK, U32_PER_CHUNK,
                                 INTERPRETER_SAFE)
-    return word, tile, k, valid
-
-
-@triton.jit
-def _load_x_lanes(x_ptr, norm_ptr, k, valid, lane, n_words, x_stride, batch_rows, BATCH: tl.constexpr,
-                  EVEN_K: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
-    """A tuple over the rows of x: each thread's lane of x for word k (k and valid from
-    `_load_weights`), as float32 bits.
-
-    Lane j of x is the input at column 32k + j after the fused prologue: silu(gate) * up when
-    GATED (x rows are [gate | up]), times the norm weight when NORM (the norm's 1/rms is a factor
-    of the whole row sum and is applied at the end); zero for a word past the end."""
     column = k * 32 + lane
     if NORM:
         scale = _load_lane(norm_ptr + column, INTERPRETER_SAFE)
@@ -226,18 +206,6 @@ def _load_x_lanes(x_ptr, norm_ptr, k, valid, lane, n_words, x_stride, batch_rows
             x = x * scale
         bits = x.to(tl.uint32, bitcast=True)
         x_lanes = x_lanes + (bits if EVEN_K else tl.where(valid, bits, 0), )
-    return x_lanes
-
-
-@triton.jit
-def _load_word(x_ptr, norm_ptr, values_u32, mask_u32, k, rows, lane, n_rows, n_words, x_stride, batch_rows,
-               CHUNKS: tl.constexpr, U32_PER_CHUNK: tl.constexpr, BATCH: tl.constexpr, EVEN_K: tl.constexpr,
-               NORM: tl.constexpr, GATED: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
-    """What a thread needs to multiply word k of its row: (word ready to scan, values, x lanes, valid)."""
-    word, tile, k, valid = _load_weights(values_u32, mask_u32, k, rows, n_rows, n_words, CHUNKS, U32_PER_CHUNK,
-                                         EVEN_K, INTERPRETER_SAFE)
-    x_lanes = _load_x_lanes(x_ptr, norm_ptr, k, valid, lane, n_words, x_stride, batch_rows, BATCH, EVEN_K, NORM,
-                            GATED, INTERPRETER_SAFE)
     return word, tile, x_lanes, valid
 
 
@@ -274,14 +242,12 @@ def _spmv_kernel(x_ptr, values_ptr, mask_ptr, y_ptr, workspace_ptr, arrivals_ptr
                  n_rows, n_words, words_per_warp, batch_rows, x_stride, norm_eps,
                  NNZ: tl.constexpr, CHUNK: tl.constexpr, BATCH: tl.constexpr, SLICES: tl.constexpr,
                  PREFETCH: tl.constexpr, EVEN_K: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
-                 GATED: tl.constexpr, PDL: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
+                 GATED: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
     """y[:batch_rows, rows] = residual + prologue(x) @ W[rows].T for the 32 rows of this program's
     row block (`spmv` says what the optional prologue and residual are).
 
     Grid (row blocks, K splits); SLICES warps per program, warp s walking words_per_warp words
-    from (split · SLICES + s) · words_per_warp. BATCH: batch_rows rounded up to a power of two.
-    PDL: launched as a programmatic dependent launch (`spmv`'s pdl), so the program may start
-    while the previous kernel is still running and waits for it only before reading x."""
+    from (split · SLICES + s) · words_per_warp. BATCH: batch_rows rounded up to a power of two."""
     DTYPE: tl.constexpr = values_ptr.dtype.element_ty
     U32_PER_CHUNK: tl.constexpr = CHUNK * DTYPE.primitive_bitwidth // 32
     CHUNKS: tl.constexpr = NNZ // CHUNK
@@ -297,22 +263,14 @@ def _spmv_kernel(x_ptr, values_ptr, mask_ptr, y_ptr, workspace_ptr, arrivals_ptr
         acc = acc + (tl.zeros([THREADS], dtype=tl.float32), )
 
     # Software pipeline, PREFETCH words deep: word i + PREFETCH's loads are issued before word i
-    # is multiplied. The first words' weights are requested before the PDL wait: with PDL this
-    # launch overlaps the end of the previous kernel, whose output (x, the residual) and whose
-    # use of the split-K workspace it must wait for, but not for the weights.
-    word, tile, k0, valid = _load_weights(values_u32, mask_u32, k_first, rows, n_rows, n_words, CHUNKS,
-                                          U32_PER_CHUNK, EVEN_K, INTERPRETER_SAFE)
+    # is multiplied.
+    word, tile, x_lanes, valid = _load_word(x_ptr, norm_ptr, values_u32, mask_u32, k_first, rows, lane, n_rows,
+                                            n_words, x_stride, batch_rows, CHUNKS, U32_PER_CHUNK, BATCH, EVEN_K,
+                                            NORM, GATED, INTERPRETER_SAFE)
     if PREFETCH == 2:
-        word1, tile1, k1, valid1 = _load_weights(values_u32, mask_u32, k_first + 1, rows, n_rows, n_words, CHUNKS,
-                                                 U32_PER_CHUNK, EVEN_K, INTERPRETER_SAFE)
-    if PDL:
-        gdc_wait()  # the previous kernel has finished and its writes are visible
-        gdc_launch_dependents()  # the next PDL launch may start filling the SMs this grid leaves idle
-    x_lanes = _load_x_lanes(x_ptr, norm_ptr, k0, valid, lane, n_words, x_stride, batch_rows, BATCH, EVEN_K, NORM,
-                            GATED, INTERPRETER_SAFE)
-    if PREFETCH == 2:
-        x_lanes1 = _load_x_lanes(x_ptr, norm_ptr, k1, valid1, lane, n_words, x_stride, batch_rows, BATCH, EVEN_K,
-                                 NORM, GATED, INTERPRETER_SAFE)
+        word1, tile1, x_lanes1, valid1 = _load_word(x_ptr, norm_ptr, values_u32, mask_u32, k_first + 1, rows, lane,
+                                                    n_rows, n_words, x_stride, batch_rows, CHUNKS, U32_PER_CHUNK,
+                                                    BATCH, EVEN_K, NORM, GATED, INTERPRETER_SAFE)
     for i in range(PREFETCH, words_per_warp):
         next_word, next_tile, next_x, next_valid = _load_word(
             x_ptr, norm_ptr, values_u32, mask_u32, k_first + i, rows, lane, n_rows, n_words, x_stride, batch_rows,
@@ -535,20 +493,9 @@ def spmv_config(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor):
     return _tuned_configs[key]
 
 
-def pdl_available(device) -> bool:
-    """Whether kernels on `device` can be launched as programmatic dependent launches (Hopper on)."""
-    device = torch.device(device)
-    return USE_PDL and device.type == "cuda" and not INTERPRETING and _compute_capability(device.index)[0] >= 9
-
-
-@functools.lru_cache(maxsize=None)
-def _compute_capability(index):
-    return torch.cuda.get_device_capability(index)
-
-
 def spmv(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, config=None, out=None,
          norm_weight: torch.Tensor = None, norm_eps: float = 0.0, residual: torch.Tensor = None,
-         gated: bool = False, pdl: bool = None) -> torch.Tensor:
+         gated: bool = False) -> torch.Tensor:
     """y = residual + prologue(x) @ W.T for x of shape (batch <= 16, in); W given as (values, mask);
     y in x's dtype.
 
@@ -558,8 +505,7 @@ def spmv(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, config=None,
     - gated: x is (batch, 2 * in), [gate | up], and the layer's input is silu(gate) * up;
     - residual (batch, out): added to the result.
     config: (slices, words per warp, prefetch) instead of the tuned choice; out: optional (batch,
-    out_features) buffer to write into (tests poison it); pdl: launch as a programmatic dependent
-    launch (default: where `pdl_available`).
+    out_features) buffer to write into (tests poison it).
     """
     batch, x_width = x.shape
     n_words, n_rows = mask.shape
@@ -579,9 +525,6 @@ def spmv(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, config=None,
     if values.data_ptr() % 16 or not all(t.is_contiguous() for t in operands):
         raise ValueError("spmv needs contiguous operands, with values 16-byte aligned")
     slices, words_per_warp, prefetch = config or spmv_config(x, values, mask)
-    pdl = pdl_available(x.device) if pdl is None else pdl
-    if pdl and INTERPRETING:
-        raise ValueError("spmv: pdl needs a GPU (griddepcontrol is inline PTX, which the interpreter cannot run)")
     if prefetch > words_per_warp:
         raise ValueError(f"spmv: a prefetch of {prefetch} words needs at least as many words per warp")
     split = triton.cdiv(n_words, slices * words_per_warp)
@@ -593,8 +536,7 @@ def spmv(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, config=None,
         x if residual is None else residual, n_rows, n_words, words_per_warp, batch, x_width, norm_eps,
         NNZ=nnz, CHUNK=chunk, BATCH=triton.next_power_of_2(batch), SLICES=slices, PREFETCH=prefetch,
         EVEN_K=n_words % (slices * words_per_warp) == 0, NORM=norm_weight is not None,
-        RESIDUAL=residual is not None, GATED=gated, PDL=pdl, INTERPRETER_SAFE=INTERPRETING, num_warps=slices,
-        **({"launch_pdl": True} if pdl else {}))
+        RESIDUAL=residual is not None, GATED=gated, INTERPRETER_SAFE=INTERPRETING, num_warps=slices)
     return y
 
 
