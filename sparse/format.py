@@ -85,6 +85,9 @@ def packed_shapes(in_features: int, out_features: int, pattern: str):
         raise ValueError(f"in_features={in_features} must be a multiple of 32 for the bitmask format")
     words = in_features // WORD_BITS
     nnz = nnz_per_word(pattern)
+    if nnz & (nnz - 1):
+        raise ValueError(f"pattern {pattern!r} keeps {nnz} of every 32 columns; the bitmask format packs only a "
+                         f"power-of-two count per 32-bit word (N a power of two: 1:4, 2:4, 4:8, 8:16, 16:32, ...)")
     chunk = values_per_chunk(nnz)
     return (words * nnz // chunk, out_features, chunk), (words, out_features)
 

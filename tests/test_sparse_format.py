@@ -44,6 +44,14 @@ def test_pack_unpack_round_trip(pattern):
     assert bool((int(mask[col // 32, row]) >> (col % 32)) & 1) == bool(keep[row, col])
 
 
+def test_pack_refuses_patterns_without_a_power_of_two_per_word():
+    # 3:8 keeps 12 of every 32 columns: the kernels walk a power-of-two count per word.
+    assert parse_pattern("3:8") == (3, 8)  # a valid N:M for pruning (stored dense)
+    for pattern, kept in [("3:8", 12), ("3:4", 24), ("5:16", 10)]:
+        with pytest.raises(ValueError, match=f"pattern '{pattern}' keeps {kept} of every 32 columns"):
+            pack(torch.randn(4, 64), pattern)
+
+
 def test_keep_largest_keeps_n_largest_per_group():
     weight = torch.tensor([[0.1, -3.0, 2.0, 0.5, 1.0, 1.5, -0.2, -4.0]])
     assert keep_largest(weight, "2:4").tolist() == [[False, True, True, False, False, True, False, True]]
