@@ -104,6 +104,33 @@ def decode_chain(model: str, pattern: str = "2:4", layers: int = 32, distinct: i
     return dict(model=model, layers=layers, step_us=[kernels.time_in_cuda_graph([step], replays=21) for _ in range(2)])
 
 
+UNPACK_CONFIGS = [(64, 4, 4), (128, 2, 4), (32, 8, 4), (64, 4, 8), (128, 4, 8), (256, 2, 8), (64, 8, 8)]
+
+
+def unpack_sweep(shapes, configs=UNPACK_CONFIGS) -> list:
+    """The prefill's expansion to dense (kernels.unpack_to_dense), each config (rows, words, warps
+    per program): µs per call and GB/s of packed bytes read + dense bytes written; each config's
+    output checked against format.unpack first."""
+    from sparse.format import unpack
+    rows = []
+    for out_features, in_features in shapes:
+        values, mask = pack(random_weight(out_features, in_features), "2:4")
+        expected = unpack(values, mask)
+        nbytes = values.numel() * 2 + mask.numel() * 4 + out_features * in_features * 2
+        packed = [(values, mask)] + [(values.clone(), mask.clone()) for _ in range(kernels.copies_for(nbytes) - 1)]
+        outs = [torch.empty(out_features, in_features, device="cuda", dtype=torch.bfloat16) for _ in packed]
+        for config in configs:
+            if not torch.equal(kernels.unpack_to_dense(values, mask, config=config), expected):
+                raise AssertionError(f"unpack_to_dense {config} is wrong on {out_features}x{in_features}")
+            us = kernels.time_in_cuda_graph([lambda v=v, m=m, o=o: kernels.unpack_to_dense(v, m, out=o, config=config)
+                                             for (v, m), o in zip(packed, outs)])
+            rows.append(dict(out=out_features, inp=in_features, config=list(config), us=us, gbps=nbytes / us / 1e3))
+            print(f"{out_features}x{in_features} {config}: {us:.1f} µs {rows[-1]['gbps']:.0f} GB/s", flush=True)
+        del packed, outs
+        torch.cuda.empty_cache()
+    return rows
+
+
 def eager_time_per_call(calls, repeats: int = 20) -> float:
     """Median microseconds per call of plain eager launches (for ops that may not graph-capture)."""
     for call in calls:
@@ -291,6 +318,7 @@ def main():
                    help="OUTxIN,... for --sweep, or 'all': the table's 16 shapes")
     p.add_argument("--sweep-batches", default="1,4,16", help="batch sizes for --sweep")
     p.add_argument("--ncu-shapes", help="OUTxIN,...: launch the tuned batch-1 config once each, for ncu")
+    p.add_argument("--unpack-sweep", help="OUTxIN,... or 'all': time the prefill's expansion kernels and configs")
     p.add_argument("--chain", help="MODEL,...: time the SpMV chain of a decode step (decode_chain) instead")
     p.add_argument("--out-md", type=Path)
     p.add_argument("--out-json", type=Path)
@@ -303,6 +331,16 @@ def main():
         rows = ncu_targets(parse_shapes(args.ncu_shapes))
         if args.out_json:
             args.out_json.write_text(json.dumps(rows, indent=1))
+        return
+    if args.unpack_sweep:
+        shapes = parse_shapes(args.unpack_sweep)
+        rows = unpack_sweep(shapes)
+        if args.out_json:
+            args.out_json.write_text(json.dumps(rows, indent=1))
+        for out_features, in_features in shapes:
+            mine = [r for r in rows if (r["out"], r["inp"]) == (out_features, in_features)]
+            print(f"{out_features}x{in_features}: " + "  ".join(
+                f"{tuple(r['config'])} {r['us']:.1f}" for r in sorted(mine, key=lambda r: r["us"])[:5]))
         return
     if args.chain:
         rows = [decode_chain(model) for model in args.chain.split(",")]

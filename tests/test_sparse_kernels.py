@@ -138,7 +138,7 @@ def test_sparse_decode_step_through_the_fused_kernels_matches_float64():
 
 
 @interpreted
-@pytest.mark.parametrize("pattern", ["2:4", "16:32", "1:4"])
+@pytest.mark.parametrize("pattern", ["2:4", "16:32", "1:4", "1:32"])
 def test_unpack_to_dense_matches_unpack(pattern):
     values, mask = random_packed(37, 160, pattern, 3)  # 5 words: the last program is half full
     out = torch.full((37, 160), float("nan"))
@@ -173,6 +173,18 @@ def test_gpu_spmv_every_candidate_config(out_features, in_features, batch):
         out = torch.full((batch, out_features), float("nan"), device="cuda", dtype=torch.bfloat16)
         y = kernels.spmv(x, values, mask, config=config, out=out)
         assert relative_error(y, x.double() @ reference_weight.T) < 1e-2, config
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("pattern", ["2:4", "16:32", "1:4", "1:8", "1:16", "1:32"])  # 16, 16, 8, 4, 2, 1 a word
+def test_gpu_unpack_to_dense_matches_unpack(pattern):
+    # The prefill's expansion, compiled for the GPU (16-byte loads, shuffles): a real shape and a
+    # ragged one (100 rows, 11 words: neither a multiple of a program's 64 rows nor of its 4 words).
+    for out_features, in_features in [(6144, 4096), (100, 352)]:
+        values, mask = random_packed(out_features, in_features, pattern, 7, device="cuda", dtype=torch.bfloat16)
+        out = torch.full((out_features, in_features), float("nan"), device="cuda", dtype=torch.bfloat16)
+        assert torch.equal(kernels.unpack_to_dense(values, mask, out=out), unpack(values, mask)), (out_features, pattern)
 
 
 @pytest.mark.gpu
