@@ -19,6 +19,7 @@ torch's format can also run); `--patterns` times others. Correctness is checked 
     python scripts/bench_kernel.py --out-md docs/kernel_table.md --out-json runs/bench_kernel.json
     python scripts/bench_kernel.py --sweep   # config sweep on a few shapes (what the autotuner picks from)
     python scripts/bench_kernel.py --chain Llama-3.1-8B   # a decode step's 128 SpMVs back to back
+    python scripts/bench_kernel.py --pack-x Llama-3.1-8B --batches 2,4,8,16   # x shuffled per row vs in bf16 pairs
     python scripts/bench_kernel.py --ncu-shapes 4096x4096   # targets for Nsight Compute (see ncu_targets)
 """
 import argparse
@@ -62,14 +63,14 @@ DECODE_FUSION = {"qkv": dict(norm=True), "w13": dict(norm=True), "o": dict(resid
                  "w2": dict(gated=True, residual=True)}
 
 
-def fused_sparse_call(layer: str, batch: int, values, mask):
+def fused_sparse_call(layer: str, batch: int, values, mask, pack_x=None):
     """The SpMV as a decode step runs it for this layer, with its inputs (the fused variants use the
-    config of the plain product, as spmv_config does)."""
+    config of the plain product, as spmv_config does); pack_x as kernels.spmv takes it."""
     n_words, n_rows = mask.shape
     fusion = DECODE_FUSION[layer]
     device, dtype = values.device, values.dtype
     x = torch.randn(batch, n_words * 32 * (2 if fusion.get("gated") else 1), device=device, dtype=dtype)
-    options = dict(gated=fusion.get("gated", False))
+    options = dict(gated=fusion.get("gated", False), pack_x=pack_x)
     if fusion.get("norm"):
         options.update(norm_weight=torch.rand(n_words * 32, device=device, dtype=dtype) + 0.5, norm_eps=1e-5)
     if fusion.get("residual"):
@@ -102,6 +103,67 @@ def decode_chain(model: str, pattern: str = "2:4", layers: int = 32, distinct: i
         return h
 
     return dict(model=model, layers=layers, step_us=[kernels.time_in_cuda_graph([step], replays=21) for _ in range(2)])
+
+
+def pack_x_ab(models, batches) -> list:
+    """The SpMV with x shuffled one row per register against two rows per register (bf16 pairs,
+    kernels.packs_x), each with its own autotuned config, plain and with the layer's fused prologue
+    and epilogue (DECODE_FUSION, up to 8 rows), the tensor-core SpMM from 9 rows, and cuBLAS; each
+    plain SpMV's output checked against float64 first."""
+    from sparse import spmm
+    from sparse.format import unpack
+    rows = []
+    for layer, out_features, in_features in [shape for model in models for shape in SHAPES[model]]:
+        weight = random_weight(out_features, in_features)
+        values, mask = pack(weight, "2:4")
+        reference_weight = unpack(values, mask).double()
+        nbytes = values.numel() * 2 + mask.numel() * 4
+        packed = [(values, mask)] + [(values.clone(), mask.clone()) for _ in range(kernels.copies_for(nbytes) - 1)]
+        weights = [weight] + [weight.clone() for _ in range(kernels.copies_for(weight.numel() * 2) - 1)]
+        for batch in batches:
+            x = torch.randn(batch, in_features, device="cuda", dtype=torch.bfloat16)
+            row = dict(layer=layer, out=out_features, inp=in_features, batch=batch,
+                       dense_us=kernels.time_in_cuda_graph([lambda w=w: F.linear(x, w) for w in weights]))
+            for pack_x in (False, True):
+                config = kernels.spmv_config(x, values, mask, pack_x)
+                y = kernels.spmv(x, values, mask, config=config, pack_x=pack_x).double()
+                reference = x.double() @ reference_weight.T
+                error = float((y - reference).norm() / reference.norm())
+                if not error < 1e-2:
+                    raise AssertionError(f"spmv pack_x={pack_x} {config} is wrong on {out_features}x{in_features} "
+                                         f"b{batch}: relative error {error:.2e}")
+                name = "packed" if pack_x else "plain"
+                row[f"{name}_config"], row[f"{name}_error"] = list(config), error
+                row[f"{name}_us"] = kernels.time_in_cuda_graph(
+                    [lambda v=v, m=m: kernels.spmv(x, v, m, config=config, pack_x=pack_x) for v, m in packed])
+                if batch < SPMM_MIN_ROWS:
+                    row[f"{name}_fused_us"] = kernels.time_in_cuda_graph(
+                        [fused_sparse_call(layer, batch, v, m, pack_x) for v, m in packed])
+            if batch >= SPMM_MIN_ROWS:
+                row["spmm_us"] = kernels.time_in_cuda_graph([lambda v=v, m=m: spmm.spmm(x, v, m) for v, m in packed])
+            rows.append(row)
+            print(f"{layer} {out_features}x{in_features} b{batch}: cuBLAS {row['dense_us']:.1f}  plain "
+                  f"{row['plain_us']:.1f} {tuple(row['plain_config'])}  packed {row['packed_us']:.1f} "
+                  f"{tuple(row['packed_config'])}  fused plain {row.get('plain_fused_us', float('nan')):.1f} packed "
+                  f"{row.get('packed_fused_us', float('nan')):.1f}  SpMM {row.get('spmm_us', float('nan')):.1f} µs",
+                  flush=True)
+        del packed, weights
+        torch.cuda.empty_cache()
+    return rows
+
+
+def pack_x_summary(rows: list) -> str:
+    lines = ["| layer | out×in | rows | cuBLAS µs | plain µs (speedup) | packed µs (speedup) | packed / plain "
+             "| fused: plain µs | fused: packed µs | packed / plain | SpMM µs |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        spmm_us = f"{r['spmm_us']:.1f}" if "spmm_us" in r else "-"
+        fused = (f"{r['plain_fused_us']:.1f} | {r['packed_fused_us']:.1f} | {r['packed_fused_us'] / r['plain_fused_us']:.3f}"
+                 if "plain_fused_us" in r else "- | - | -")
+        lines.append(f"| {r['layer']} | {r['out']}×{r['inp']} | {r['batch']} | {r['dense_us']:.1f} | {r['plain_us']:.1f} "
+                     f"({r['dense_us'] / r['plain_us']:.2f}×) | {r['packed_us']:.1f} ({r['dense_us'] / r['packed_us']:.2f}×) "
+                     f"| {r['packed_us'] / r['plain_us']:.3f} | {fused} | {spmm_us} |")
+    return "\n".join(lines)
 
 
 UNPACK_CONFIGS = [(64, 4, 4), (128, 2, 4), (32, 8, 4), (64, 4, 8), (128, 4, 8), (256, 2, 8), (64, 8, 8)]
@@ -320,6 +382,7 @@ def main():
     p.add_argument("--ncu-shapes", help="OUTxIN,...: launch the tuned batch-1 config once each, for ncu")
     p.add_argument("--unpack-sweep", help="OUTxIN,... or 'all': time the prefill's expansion kernels and configs")
     p.add_argument("--chain", help="MODEL,...: time the SpMV chain of a decode step (decode_chain) instead")
+    p.add_argument("--pack-x", help="MODEL,...: x one row per register against bf16 pairs (pack_x_ab), at --batches")
     p.add_argument("--out-md", type=Path)
     p.add_argument("--out-json", type=Path)
     args = p.parse_args()
@@ -341,6 +404,14 @@ def main():
             mine = [r for r in rows if (r["out"], r["inp"]) == (out_features, in_features)]
             print(f"{out_features}x{in_features}: " + "  ".join(
                 f"{tuple(r['config'])} {r['us']:.1f}" for r in sorted(mine, key=lambda r: r["us"])[:5]))
+        return
+    if args.pack_x:
+        rows = pack_x_ab(args.pack_x.split(","), [int(b) for b in args.batches.split(",")])
+        if args.out_json:
+            args.out_json.write_text(json.dumps(rows, indent=1))
+        if args.out_md:
+            args.out_md.write_text(pack_x_summary(rows) + "\n")
+        print(pack_x_summary(rows))
         return
     if args.chain:
         rows = [decode_chain(model) for model in args.chain.split(",")]

@@ -14,6 +14,8 @@
 #   kernel_table_b1_prefill  the same table at batch 1 and the 2048-token prefill only (~5)
 #   kernel_table_b1  the same table at batch 1 only, without torch's 2:4 (~1)
 #   unpack_sweep    bench_kernel.py --unpack-sweep all: the prefill's expansion to dense, kernels x configs (~2)
+#   kernel_pack_x   bench_kernel.py --pack-x: x one row per register vs bf16 pairs, Llama-3.1-8B and Qwen3-14B
+#                   shapes at 2, 4, 8, 16 rows, each autotuned, with cuBLAS and the SpMM (~3)
 #   kernel_chain    bench_kernel.py --chain: a decode step's SpMVs back to back, no model compile (~1)
 #   kernel_sweep    bench_kernel.py --sweep on the Llama-3.1-8B and Qwen3-14B shapes at batch 1 and 4 (~4)
 #   kernel_sweep_b1 the same sweep at batch 1 on all 16 shapes of the kernel table, with cuBLAS (~2)
@@ -55,6 +57,7 @@ declare -A JOBS=(
   [kernel_table_b1_prefill]="python3 scripts/bench_kernel.py --batches 2048,1 --out-md \$JOB/table.md --out-json \$JOB/bench.json"
   [kernel_table_b1]="python3 scripts/bench_kernel.py --batches 1 --no-semi --out-md \$JOB/table.md --out-json \$JOB/bench.json"
   [unpack_sweep]="python3 scripts/bench_kernel.py --unpack-sweep all --out-json \$JOB/unpack.json"
+  [kernel_pack_x]="python3 scripts/bench_kernel.py --pack-x Llama-3.1-8B,Qwen3-14B --batches 2,4,8,16 --out-md \$JOB/pack_x.md --out-json \$JOB/pack_x.json"
   [kernel_chain]="python3 scripts/bench_kernel.py --chain Llama-3.1-8B,Qwen3-14B --out-json \$JOB/chain.json"
   [kernel_table]="python3 scripts/bench_kernel.py --out-md \$JOB/table.md --out-json \$JOB/bench.json"
   [kernel_sweep]="python3 scripts/bench_kernel.py --sweep --sweep-shapes 6144x4096,4096x4096,28672x4096,4096x14336,7168x5120,5120x5120,34816x5120,5120x17408 --sweep-batches 1,4 --out-json \$JOB/sweep.json"

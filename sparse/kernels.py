@@ -39,6 +39,7 @@ import triton.language as tl
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_SPMV_BATCH = 16
+PACK_X_MIN_BATCH = 5  # see packs_x and docs/KERNEL_NOTES.md (session 11): 8 rows win, 4 lose end to end
 
 
 @triton.jit
@@ -117,22 +118,29 @@ def _pop_next_column(word, INTERPRETER_SAFE: tl.constexpr):
 
 
 @triton.jit
-def _step(acc, word, value, x_lanes, valid, INTERPRETER_SAFE: tl.constexpr):
+def _step(acc, word, value, x_lanes, valid, PACKED_X: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
     """acc[b] += value * x[b, column of the word's lowest set bit] for every row b of x; that bit
     cleared.
 
-    x_lanes (a tuple over the rows of x): the float32 bits of x[b, 32k + lane] (zero for a word
-    past the end); the column's element comes from lane `column` of the same warp, by a warp
-    shuffle on the fast path and by a gather across the program's threads on the safe path."""
+    x_lanes (a tuple): per row b of x the float32 bits of x[b, 32k + lane], or with PACKED_X per
+    pair of rows (2p, 2p + 1) their bf16 bits in the low and high half (zero for a word past the
+    end). The column's element comes from lane `column` of the same warp, by a warp shuffle on the
+    fast path and by a gather across the program's threads on the safe path. A packed pair takes
+    one shuffle for two rows of x and two instructions to widen them again."""
     column, word = _pop_next_column(word, INTERPRETER_SAFE)
-    for b in tl.static_range(len(acc)):
+    for p in tl.static_range(len(x_lanes)):
         if INTERPRETER_SAFE:
-            thread = tl.arange(0, x_lanes[b].shape[0])
-            x = tl.gather(x_lanes[b], thread // 32 * 32 + column, 0).to(tl.float32, bitcast=True)
+            thread = tl.arange(0, x_lanes[p].shape[0])
+            bits = tl.gather(x_lanes[p], thread // 32 * 32 + column, 0)
         else:
-            x = tl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, $2, 31, -1;", "=r,r,r", [x_lanes[b], column],
-                                          dtype=tl.uint32, is_pure=True, pack=1).to(tl.float32, bitcast=True)
-        acc = _replace(acc, b, acc[b] + value * x)
+            bits = tl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, $2, 31, -1;", "=r,r,r", [x_lanes[p], column],
+                                             dtype=tl.uint32, is_pure=True, pack=1)
+        if PACKED_X:
+            acc = _replace(acc, 2 * p, acc[2 * p] + value * (bits << 16).to(tl.float32, bitcast=True))
+            acc = _replace(acc, 2 * p + 1,
+                           acc[2 * p + 1] + value * (bits & 0xFFFF0000).to(tl.float32, bitcast=True))
+        else:
+            acc = _replace(acc, p, acc[p] + value * bits.to(tl.float32, bitcast=True))
     return acc, word
 
 
@@ -143,15 +151,17 @@ def _replace(items, index: tl.constexpr, item):
 
 
 @triton.jit
-def _multiply(acc, word, tile, x_lanes, valid, DTYPE: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
+def _multiply(acc, word, tile, x_lanes, valid, DTYPE: tl.constexpr, PACKED_X: tl.constexpr,
+              INTERPRETER_SAFE: tl.constexpr):
     """acc += the word's kept weights (a tuple of uint32 of packed values, in column order) times x
     at their columns, lowest column first: a fixed number of steps."""
     for i in tl.static_range(len(tile)):
         if DTYPE == tl.float32:
-            acc, word = _step(acc, word, _to_float(tile[i], DTYPE), x_lanes, valid, INTERPRETER_SAFE)
+            acc, word = _step(acc, word, _to_float(tile[i], DTYPE), x_lanes, valid, PACKED_X, INTERPRETER_SAFE)
         else:  # two 16-bit values per uint32, the first in the low half
-            acc, word = _step(acc, word, _to_float(tile[i], DTYPE), x_lanes, valid, INTERPRETER_SAFE)
-            acc, word = _step(acc, word, _high_half_to_float(tile[i], DTYPE), x_lanes, valid, INTERPRETER_SAFE)
+            acc, word = _step(acc, word, _to_float(tile[i], DTYPE), x_lanes, valid, PACKED_X, INTERPRETER_SAFE)
+            acc, word = _step(acc, word, _high_half_to_float(tile[i], DTYPE), x_lanes, valid, PACKED_X,
+                              INTERPRETER_SAFE)
     return acc
 
 
@@ -175,13 +185,14 @@ def _load_lane(ptr, INTERPRETER_SAFE: tl.constexpr):
 @triton.jit
 def _load_word(x_ptr, norm_ptr, values_u32, mask_u32, k, rows, lane, n_rows, n_words, x_stride, batch_rows,
                CHUNKS: tl.constexpr, U32_PER_CHUNK: tl.constexpr, BATCH: tl.constexpr, EVEN_K: tl.constexpr,
-               NORM: tl.constexpr, GATED: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
+               NORM: tl.constexpr, GATED: tl.constexpr, PACKED_X: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
     """What a thread needs to multiply word k of its row: (word ready to scan, values, x lanes, valid).
 
     Lane j of x is the input at column 32k + j after the fused prologue: silu(gate) * up when
     GATED (x rows are [gate | up]), times the norm weight when NORM (the norm's 1/rms is a factor
     of the whole row sum and is applied at the end). Unless EVEN_K (the programs' words cover K
-    exactly), a word past the end reads the last word again and multiplies it by zero."""
+    exactly), a word past the end reads the last word again and multiplies it by zero. PACKED_X:
+    x rounded to bf16, two rows of x to a lane register (see `_step`)."""
     if EVEN_K:
         valid = k >= 0  # always true; without clamping, the compiler steps the addresses by a constant
     else:
@@ -205,8 +216,20 @@ def _load_word(x_ptr, norm_ptr, values_u32, mask_u32, k, rows, lane, n_rows, n_w
         if NORM:
             x = x * scale
         bits = x.to(tl.uint32, bitcast=True)
+        if PACKED_X:  # rows 2p and 2p + 1 share a register: bf16 bits in the low and the high half
+            bits = _bf16_bits(bits)
+            if b % 2 == 1:
+                bits = x_lanes[b // 2] | (bits << 16)
+                x_lanes = x_lanes[:b // 2]
         x_lanes = x_lanes + (bits if EVEN_K else tl.where(valid, bits, 0), )
     return word, tile, x_lanes, valid
+
+
+@triton.jit
+def _bf16_bits(bits):
+    """The bf16 nearest to each float32 (given as uint32 bits; ties to even), as bits 0-15 of a
+    uint32. Integer arithmetic, because the interpreter's float32 -> bf16 cast truncates."""
+    return (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
 
 
 @triton.jit
@@ -242,7 +265,7 @@ def _spmv_kernel(x_ptr, values_ptr, mask_ptr, y_ptr, workspace_ptr, arrivals_ptr
                  n_rows, n_words, words_per_warp, batch_rows, x_stride, norm_eps,
                  NNZ: tl.constexpr, CHUNK: tl.constexpr, BATCH: tl.constexpr, SLICES: tl.constexpr,
                  PREFETCH: tl.constexpr, EVEN_K: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
-                 GATED: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
+                 GATED: tl.constexpr, PACKED_X: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
     """y[:batch_rows, rows] = residual + prologue(x) @ W[rows].T for the 32 rows of this program's
     row block (`spmv` says what the optional prologue and residual are).
 
@@ -266,24 +289,24 @@ def _spmv_kernel(x_ptr, values_ptr, mask_ptr, y_ptr, workspace_ptr, arrivals_ptr
     # is multiplied.
     word, tile, x_lanes, valid = _load_word(x_ptr, norm_ptr, values_u32, mask_u32, k_first, rows, lane, n_rows,
                                             n_words, x_stride, batch_rows, CHUNKS, U32_PER_CHUNK, BATCH, EVEN_K,
-                                            NORM, GATED, INTERPRETER_SAFE)
+                                            NORM, GATED, PACKED_X, INTERPRETER_SAFE)
     if PREFETCH == 2:
         word1, tile1, x_lanes1, valid1 = _load_word(x_ptr, norm_ptr, values_u32, mask_u32, k_first + 1, rows, lane,
                                                     n_rows, n_words, x_stride, batch_rows, CHUNKS, U32_PER_CHUNK,
-                                                    BATCH, EVEN_K, NORM, GATED, INTERPRETER_SAFE)
+                                                    BATCH, EVEN_K, NORM, GATED, PACKED_X, INTERPRETER_SAFE)
     for i in range(PREFETCH, words_per_warp):
         next_word, next_tile, next_x, next_valid = _load_word(
             x_ptr, norm_ptr, values_u32, mask_u32, k_first + i, rows, lane, n_rows, n_words, x_stride, batch_rows,
-            CHUNKS, U32_PER_CHUNK, BATCH, EVEN_K, NORM, GATED, INTERPRETER_SAFE)
-        acc = _multiply(acc, word, tile, x_lanes, valid, DTYPE, INTERPRETER_SAFE)
+            CHUNKS, U32_PER_CHUNK, BATCH, EVEN_K, NORM, GATED, PACKED_X, INTERPRETER_SAFE)
+        acc = _multiply(acc, word, tile, x_lanes, valid, DTYPE, PACKED_X, INTERPRETER_SAFE)
         if PREFETCH == 2:
             word, tile, x_lanes, valid = word1, tile1, x_lanes1, valid1
             word1, tile1, x_lanes1, valid1 = next_word, next_tile, next_x, next_valid
         else:
             word, tile, x_lanes, valid = next_word, next_tile, next_x, next_valid
-    acc = _multiply(acc, word, tile, x_lanes, valid, DTYPE, INTERPRETER_SAFE)
+    acc = _multiply(acc, word, tile, x_lanes, valid, DTYPE, PACKED_X, INTERPRETER_SAFE)
     if PREFETCH == 2:
-        acc = _multiply(acc, word1, tile1, x_lanes1, valid1, DTYPE, INTERPRETER_SAFE)
+        acc = _multiply(acc, word1, tile1, x_lanes1, valid1, DTYPE, PACKED_X, INTERPRETER_SAFE)
 
     acc = _join_lanes(acc, 0, BATCH)  # [THREADS, BATCH]
     if SLICES > 1:  # the warps' slices of K, summed through shared memory
@@ -475,7 +498,7 @@ def time_in_cuda_graph(calls, target_ms: float = 3.0, replays: int = 15) -> floa
     return sorted(times)[len(times) // 2] * 1000 / (loops * len(calls))
 
 
-def spmv_config(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor):
+def spmv_config(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, pack_x: bool = False):
     """The fastest candidate config for this (out, in, batch), timed once and remembered; the fused
     prologues and residual (spmv's options) run with the config their plain product was given.
 
@@ -485,7 +508,7 @@ def spmv_config(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor):
     slower than the best on 5 of 16 shapes in the 2026-12-01 sweep: docs/KERNEL_NOTES.md.)
     """
     n_words, n_rows = mask.shape
-    key = (n_rows, n_words, triton.next_power_of_2(x.shape[0]), values.dtype, x.device)
+    key = (n_rows, n_words, triton.next_power_of_2(x.shape[0]), values.dtype, pack_x, x.device)
     if key not in _tuned_configs:
         configs = candidate_configs(n_rows, n_words, x.shape[0])
         if len(configs) == 1 or not x.is_cuda:
@@ -496,16 +519,24 @@ def spmv_config(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor):
             nbytes = values.numel() * values.element_size() + mask.numel() * 4
             copies = [(values, mask)] + [(values.clone(), mask.clone()) for _ in range(copies_for(nbytes) - 1)]
             x = torch.randn(x.shape[0], n_words * 32, dtype=x.dtype, device=x.device)  # x may be [gate | up]
-            timings = [time_in_cuda_graph([lambda v=v, m=m, c=c: spmv(x, v, m, config=c) for v, m in copies],
+            timings = [time_in_cuda_graph([lambda v=v, m=m, c=c: spmv(x, v, m, config=c, pack_x=pack_x)
+                                           for v, m in copies],
                                           target_ms=1.0, replays=9) for c in configs]
             del copies
             _tuned_configs[key] = configs[timings.index(min(timings))]
     return _tuned_configs[key]
 
 
+def packs_x(x: torch.Tensor) -> bool:
+    """Whether spmv shuffles x two rows to a register (bf16 pairs) by default: for bf16 inputs of
+    PACK_X_MIN_BATCH rows or more, where the shuffles, one per row of x per kept weight, are the
+    limit (docs/KERNEL_NOTES.md); packing halves them at two extra instructions per pair."""
+    return x.dtype == torch.bfloat16 and x.shape[0] >= PACK_X_MIN_BATCH
+
+
 def spmv(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, config=None, out=None,
          norm_weight: torch.Tensor = None, norm_eps: float = 0.0, residual: torch.Tensor = None,
-         gated: bool = False) -> torch.Tensor:
+         gated: bool = False, pack_x: bool = None) -> torch.Tensor:
     """y = residual + prologue(x) @ W.T for x of shape (batch <= 16, in); W given as (values, mask);
     y in x's dtype.
 
@@ -515,7 +546,8 @@ def spmv(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, config=None,
     - gated: x is (batch, 2 * in), [gate | up], and the layer's input is silu(gate) * up;
     - residual (batch, out): added to the result.
     config: (slices, words per warp, prefetch) instead of the tuned choice; out: optional (batch,
-    out_features) buffer to write into (tests poison it).
+    out_features) buffer to write into (tests poison it); pack_x: round x (after the prologue) to
+    bf16 and shuffle two rows of it at a time, instead of `packs_x`'s choice (needs 2+ rows).
     """
     batch, x_width = x.shape
     n_words, n_rows = mask.shape
@@ -534,7 +566,10 @@ def spmv(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, config=None,
     operands = [t for t in (x, values, mask, norm_weight, residual) if t is not None]
     if values.data_ptr() % 16 or not all(t.is_contiguous() for t in operands):
         raise ValueError("spmv needs contiguous operands, with values 16-byte aligned")
-    slices, words_per_warp, prefetch = config or spmv_config(x, values, mask)
+    pack_x = packs_x(x) if pack_x is None else pack_x
+    if pack_x and batch < 2:
+        raise ValueError("spmv: packing x in pairs of rows needs at least 2 rows")
+    slices, words_per_warp, prefetch = config or spmv_config(x, values, mask, pack_x)
     if prefetch > words_per_warp:
         raise ValueError(f"spmv: a prefetch of {prefetch} words needs at least as many words per warp")
     split = triton.cdiv(n_words, slices * words_per_warp)
@@ -546,7 +581,7 @@ def spmv(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, config=None,
         x if residual is None else residual, n_rows, n_words, words_per_warp, batch, x_width, norm_eps,
         NNZ=nnz, CHUNK=chunk, BATCH=triton.next_power_of_2(batch), SLICES=slices, PREFETCH=prefetch,
         EVEN_K=n_words % (slices * words_per_warp) == 0, NORM=norm_weight is not None,
-        RESIDUAL=residual is not None, GATED=gated, INTERPRETER_SAFE=INTERPRETING, num_warps=slices)
+        RESIDUAL=residual is not None, GATED=gated, PACKED_X=pack_x, INTERPRETER_SAFE=INTERPRETING, num_warps=slices)
     return y
 
 

@@ -46,6 +46,35 @@ def test_spmv_matches_float64(pattern, batch):
 
 
 @interpreted
+@pytest.mark.parametrize("pattern,batch", [("2:4", 2), ("16:32", 3), ("4:8", 8)])
+def test_spmv_with_x_packed_in_bf16_pairs_matches_float64(pattern, batch):
+    # pack_x: x rounded to bf16 (ties to even), two rows to a register, widened after the shuffle.
+    # Against float64 math on the same rounded x: only the fp32 accumulation may differ. The
+    # configs of the test above: a word past the end (zero lanes) and split K.
+    seed = case_seed("packed", pattern, batch)
+    values, mask = random_packed(37, 96, pattern, seed)
+    reference_weight = unpack(values, mask).double()
+    for i, config in enumerate([(1, 3, 2), (2, 2, 2), (2, 1, 1)]):
+        x = torch.randn(batch, 96, generator=torch.Generator().manual_seed(seed + i))
+        out = torch.full((batch, 37), float("nan"))
+        y = kernels.spmv(x, values, mask, config=config, out=out, pack_x=True)
+        assert relative_error(y, x.bfloat16().double() @ reference_weight.T) < 1e-6, config
+    with pytest.raises(ValueError, match="at least 2 rows"):
+        kernels.spmv(x[:1], values, mask, pack_x=True)
+
+
+@interpreted
+def test_spmv_packs_bf16_x_of_five_rows_or_more_by_default():
+    values, mask = random_packed(40, 64, "2:4", 3)
+    values = values.bfloat16()
+    x = torch.randn(8, 64).bfloat16()
+    assert kernels.packs_x(x) and kernels.packs_x(x[:5]) and not kernels.packs_x(x[:4])
+    assert not kernels.packs_x(x.float())
+    y = kernels.spmv(x, values, mask, config=(2, 1, 1))
+    assert relative_error(y, x.double() @ unpack(values, mask).double().T) < 1e-2
+
+
+@interpreted
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_spmv_16_bit(dtype):
     values, mask = random_packed(40, 64, "2:4", 7)
@@ -74,8 +103,9 @@ FUSED = {"norm": dict(norm=True), "norm+residual": dict(norm=True, residual=True
 
 @interpreted
 @pytest.mark.parametrize("fusion", FUSED)
-@pytest.mark.parametrize("pattern,batch", [("2:4", 1), ("16:32", 3), ("4:8", 2)])
-def test_spmv_fused_prologue_and_residual_match_float64(fusion, pattern, batch):
+@pytest.mark.parametrize("pattern,batch,pack_x", [("2:4", 1, False), ("16:32", 3, False), ("4:8", 2, False),
+                                                  ("4:8", 2, True)])
+def test_spmv_fused_prologue_and_residual_match_float64(fusion, pattern, batch, pack_x):
     # The same ragged shape and configs as above: whole K in one warp (one and two words ahead), a
     # word past the end, and K split over programs (the epilogue then runs in the last to arrive).
     seed = case_seed(fusion, pattern, batch)
@@ -89,9 +119,10 @@ def test_spmv_fused_prologue_and_residual_match_float64(fusion, pattern, batch):
         gated = FUSED[fusion].get("gated", False)
         out = torch.full((batch, 37), float("nan"))
         y = kernels.spmv(x, values, mask, config=config, out=out, norm_weight=norm_weight, norm_eps=1e-5,
-                         residual=residual, gated=gated)
+                         residual=residual, gated=gated, pack_x=pack_x)
         expected = fused_reference(x, weight, norm_weight, 1e-5, residual, gated)
-        assert relative_error(y, expected) < 1e-6, config
+        # Packed, the prologue's output is rounded to bf16 (as an unfused bf16 model rounds it).
+        assert relative_error(y, expected) < (1e-2 if pack_x else 1e-6), config
         workspace, arrivals = kernels._workspace(x.device, 0, 0)
         assert not workspace.any() and not arrivals.any(), "split-K must leave its workspace zeroed"
 
