@@ -215,9 +215,20 @@ def bench_model(name: str, sparse_patterns: list, remaining, args, rows: list):
                        peak_memory_gb=round(torch.cuda.max_memory_allocated() / 1e9, 2))
             if pattern == "dense":
                 row["speedup"] = 1.0
+            else:
+                row["spmv_configs"] = tuned_spmv_configs(batch_size)
             rows.append(row)
             print(json.dumps(row), flush=True)
     free(model)
+
+
+def tuned_spmv_configs(batch_size: int) -> dict:
+    """The SpMV config the autotuner chose in this process for each shape at this batch size, so
+    that runs of one code in different processes can be compared config by config."""
+    from sparse import kernels
+    return {f"{n_rows}x{32 * n_words}{' packed x' if pack_x else ''}": list(config)
+            for (n_rows, n_words, batch, _, pack_x, _), config in kernels._tuned_configs.items()
+            if batch == 1 << (batch_size - 1).bit_length()}
 
 
 def bench_gptfast(name: str, dense_step_s: dict, remaining, args, rows: list):
