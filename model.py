@@ -115,10 +115,15 @@ class KVCache(nn.Module):
         self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype), persistent=False)
 
     def update(self, input_pos: Tensor, k: Tensor, v: Tensor):
-        # k, v: [B, H, T, D]; writing in place keeps the buffers static for CUDA graphs.
+        # k, v: [B, H, T, D]; writing in place keeps the buffers static for CUDA graphs. The write
+        # indexes the whole buffer (rows, :, positions), not a slice [:B] of it: for a batch smaller
+        # than the cache, Inductor compiled an in-place write into the slice as a copy of the slice's
+        # whole cache out and back (seen in its output code), every layer and step: ~1.6 GB a step
+        # at batch 4 of 8 rows on Llama-3.1-8B (docs/BENCHMARKS.md, session 11).
         B = k.shape[0]
-        self.k_cache[:B].index_copy_(2, input_pos, k)
-        self.v_cache[:B].index_copy_(2, input_pos, v)
+        rows = torch.arange(B, device=k.device)[:, None]
+        self.k_cache[rows, :, input_pos[None, :]] = k.transpose(1, 2)  # indexed shape: [B, T, H, D]
+        self.v_cache[rows, :, input_pos[None, :]] = v.transpose(1, 2)
         return self.k_cache[:B], self.v_cache[:B]
 
 

@@ -154,3 +154,26 @@ def test_tiny_gguf_matches_transformers(tiny_hf_folder, tmp_path, name):
     assert_logits_match(ours, reference, tokens)
     tokenizer = load_tokenizer(tmp_path / "out")
     assert tokenizer.decode(tokenizer.encode("byte-level: ünïcode ✓")) == "byte-level: ünïcode ✓"
+
+
+@torch.no_grad()
+def test_kv_cache_with_more_rows_than_the_batch_matches_an_exact_cache():
+    """A cache set up for 8 rows serving a batch of 3 (generate() keeps a larger cache it already
+    has): prefill and decode give the logits of a cache of exactly 3 rows, eager and compiled, and
+    the rows past the batch stay untouched."""
+    from model import ModelArgs
+    torch.manual_seed(0)
+    config = ModelArgs(dim=64, n_layer=2, n_head=4, n_local_heads=2, intermediate_size=96, vocab_size=50,
+                       block_size=32)
+    wide, exact = Transformer(config).eval(), Transformer(config).eval()
+    exact.load_state_dict(wide.state_dict())
+    wide.setup_caches(8, 32)
+    exact.setup_caches(3, 32)
+    tokens = torch.randint(0, 50, (3, 7))
+    torch.testing.assert_close(wide(tokens[:, :5], torch.arange(5)), exact(tokens[:, :5], torch.arange(5)))
+    torch.testing.assert_close(wide(tokens[:, 5:6], torch.tensor([5])), exact(tokens[:, 5:6], torch.tensor([5])))
+    compiled = torch.compile(wide, fullgraph=True)
+    torch.testing.assert_close(compiled(tokens[:, 6:], torch.tensor([6])), exact(tokens[:, 6:], torch.tensor([6])))
+    cache = wide.layers[0].attention.kv_cache
+    assert cache.k_cache[:3, :, :7].abs().sum() > 0 and not cache.k_cache[3:].any() and not cache.v_cache[3:].any()
+    assert not cache.k_cache[:3, :, 7:].any()
