@@ -124,10 +124,10 @@ def pack_x_ab(models, batches) -> list:
             x = torch.randn(batch, in_features, device="cuda", dtype=torch.bfloat16)
             row = dict(layer=layer, out=out_features, inp=in_features, batch=batch,
                        dense_us=kernels.time_in_cuda_graph([lambda w=w: F.linear(x, w) for w in weights]))
+            reference = x.double() @ reference_weight.T
             for pack_x in (False, True):
                 config = kernels.spmv_config(x, values, mask, pack_x)
                 y = kernels.spmv(x, values, mask, config=config, pack_x=pack_x).double()
-                reference = x.double() @ reference_weight.T
                 error = float((y - reference).norm() / reference.norm())
                 if not error < 1e-2:
                     raise AssertionError(f"spmv pack_x={pack_x} {config} is wrong on {out_features}x{in_features} "
