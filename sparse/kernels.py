@@ -19,9 +19,9 @@
   per warp are autotuned per (out, in, batch).
   Around the product the SpMV can do a decode step's small ops that would otherwise each be a
   kernel launch of a few microseconds (~100 per Llama-3.1-8B step): RMSNorm of x (the norm
-  weight multiplies x's lanes as they are loaded; 1/rms factors out of the row sum, so only the
-  program that stores a row computes it), silu(gate) * up for x = [gate | up], and a residual
-  added before the store.
+  weight multiplies x's lanes as they are loaded, and each thread also adds up the squares of
+  the lanes it loads; 1/rms factors out of the row sum, so the program that stores a row applies
+  it from those sums), silu(gate) * up for x = [gate | up], and a residual added before the store.
 - `unpack_to_dense`: expands (values, mask) into a dense weight for the prefill path
   (decompress + cuBLAS).
 
@@ -184,15 +184,17 @@ def _load_lane(ptr, INTERPRETER_SAFE: tl.constexpr):
 
 
 @triton.jit
-def _load_word(x_ptr, norm_ptr, values_u32, mask_u32, k, rows, lane, n_rows, n_words, x_stride, batch_rows,
+def _load_word(x_ptr, norm_ptr, values_u32, mask_u32, k, rows, lane, n_rows, n_words, x_stride, batch_rows, squares,
                CHUNKS: tl.constexpr, U32_PER_CHUNK: tl.constexpr, BATCH: tl.constexpr, EVEN_K: tl.constexpr,
                NORM: tl.constexpr, GATED: tl.constexpr, PACKED_X: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
-    """What a thread needs to multiply word k of its row: (word ready to scan, values, x lanes, valid).
+    """What a thread needs to multiply word k of its row: (word ready to scan, values, x lanes, valid,
+    squares).
 
     Lane j of x is the input at column 32k + j after the fused prologue: silu(gate) * up when
-    GATED (x rows are [gate | up]), times the norm weight when NORM (the norm's 1/rms is a factor
-    of the whole row sum and is applied at the end). Unless EVEN_K (the programs' words cover K
-    exactly), a word past the end reads the last word again and multiplies it by zero. PACKED_X:
+    GATED (x rows are [gate | up]), times the norm weight when NORM. The norm's 1/rms is a factor
+    of the whole row sum, applied at the end; for it, with NORM, squares[b] (a tuple over the rows
+    of x) adds up x[b, 32k + lane]^2 of every word loaded. Unless EVEN_K (the programs' words cover
+    K exactly), a word past the end reads the last word again and multiplies it by zero. PACKED_X:
     x rounded to bf16, two rows of x to a lane register (see `_step`)."""
     if EVEN_K:
         valid = k >= 0  # always true; without clamping, the compiler steps the addresses by a constant
@@ -212,8 +214,10 @@ def _load_word(x_ptr, norm_ptr, values_u32, mask_u32, k, rows, lane, n_rows, n_w
         # Rows of x past the batch repeat the last one (their results are not stored).
         row = x_ptr + min(b, batch_rows - 1) * x_stride
         x = _load_lane(row + column, INTERPRETER_SAFE)
+        if NORM:
+            squares = _replace(squares, b, squares[b] + (x * x if EVEN_K else tl.where(valid, x * x, 0.0)))
         if GATED:
-            x = x / (1.0 + tl.exp(-x)) * _load_lane(row + n_words * 32 + column, INTERPRETER_SAFE)
+            x = _silu(x, INTERPRETER_SAFE) * _load_lane(row + n_words * 32 + column, INTERPRETER_SAFE)
         if NORM:
             x = x * scale
         bits = x.to(tl.uint32, bitcast=True)
@@ -223,7 +227,20 @@ def _load_word(x_ptr, norm_ptr, values_u32, mask_u32, k, rows, lane, n_rows, n_w
                 bits = x_lanes[b // 2] | (bits << 16)
                 x_lanes = x_lanes[:b // 2]
         x_lanes = x_lanes + (bits if EVEN_K else tl.where(valid, bits, 0), )
-    return word, tile, x_lanes, valid
+    return word, tile, x_lanes, valid, squares
+
+
+@triton.jit
+def _silu(x, INTERPRETER_SAFE: tl.constexpr):
+    """x * sigmoid(x). On the GPU as h + h * tanh(h) with h = x / 2: three instructions (one of them
+    the MUFU's tanh.approx, relative error ~2^-11, below bf16's rounding), where x / (1 + exp(-x))
+    compiled to ~13 with two MUFU ops and their range fix-ups. Every row block's program computes
+    it again for its words, so at 8 rows of x it was a third of the gated SpMV's instructions."""
+    if INTERPRETER_SAFE:
+        return x / (1.0 + tl.exp(-x))
+    half = 0.5 * x
+    tanh = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [half], dtype=tl.float32, is_pure=True, pack=1)
+    return half + half * tanh
 
 
 @triton.jit
@@ -231,22 +248,6 @@ def _bf16_bits(bits):
     """The bf16 nearest to each float32 (given as uint32 bits; ties to even), as bits 0-15 of a
     uint32. Integer arithmetic, because the interpreter's float32 -> bf16 cast truncates."""
     return (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-
-
-@triton.jit
-def _inverse_rms(x_ptr, x_stride, batch_rows, in_features, eps, BATCH: tl.constexpr, THREADS: tl.constexpr):
-    """[BATCH] float32: 1 / sqrt(mean(x[b]^2) + eps) for each row b of x (RMSNorm's factor)."""
-    lanes = tl.arange(0, BATCH)
-    result = tl.zeros([BATCH], dtype=tl.float32)
-    for b in tl.static_range(BATCH):
-        row = x_ptr + min(b, batch_rows - 1) * x_stride
-        squares = tl.zeros([8 * THREADS], dtype=tl.float32)
-        for start in range(0, in_features, 8 * THREADS):
-            offsets = start + tl.arange(0, 8 * THREADS)
-            x = tl.load(row + offsets, mask=offsets < in_features, other=0.0).to(tl.float32)
-            squares += x * x
-        result = tl.where(lanes == b, tl.rsqrt(tl.sum(squares) / in_features + eps), result)
-    return result
 
 
 @triton.jit
@@ -285,20 +286,21 @@ def _spmv_kernel(x_ptr, values_ptr, mask_ptr, y_ptr, workspace_ptr, arrivals_ptr
     acc = ()
     for b in tl.static_range(BATCH):
         acc = acc + (tl.zeros([THREADS], dtype=tl.float32), )
+    squares = acc if NORM else ()
 
     # Software pipeline, PREFETCH words deep: word i + PREFETCH's loads are issued before word i
     # is multiplied.
-    word, tile, x_lanes, valid = _load_word(x_ptr, norm_ptr, values_u32, mask_u32, k_first, rows, lane, n_rows,
-                                            n_words, x_stride, batch_rows, CHUNKS, U32_PER_CHUNK, BATCH, EVEN_K,
-                                            NORM, GATED, PACKED_X, INTERPRETER_SAFE)
+    word, tile, x_lanes, valid, squares = _load_word(
+        x_ptr, norm_ptr, values_u32, mask_u32, k_first, rows, lane, n_rows, n_words, x_stride, batch_rows, squares,
+        CHUNKS, U32_PER_CHUNK, BATCH, EVEN_K, NORM, GATED, PACKED_X, INTERPRETER_SAFE)
     if PREFETCH == 2:
-        word1, tile1, x_lanes1, valid1 = _load_word(x_ptr, norm_ptr, values_u32, mask_u32, k_first + 1, rows, lane,
-                                                    n_rows, n_words, x_stride, batch_rows, CHUNKS, U32_PER_CHUNK,
-                                                    BATCH, EVEN_K, NORM, GATED, PACKED_X, INTERPRETER_SAFE)
+        word1, tile1, x_lanes1, valid1, squares = _load_word(
+            x_ptr, norm_ptr, values_u32, mask_u32, k_first + 1, rows, lane, n_rows, n_words, x_stride, batch_rows,
+            squares, CHUNKS, U32_PER_CHUNK, BATCH, EVEN_K, NORM, GATED, PACKED_X, INTERPRETER_SAFE)
     for i in range(PREFETCH, words_per_warp):
-        next_word, next_tile, next_x, next_valid = _load_word(
+        next_word, next_tile, next_x, next_valid, squares = _load_word(
             x_ptr, norm_ptr, values_u32, mask_u32, k_first + i, rows, lane, n_rows, n_words, x_stride, batch_rows,
-            CHUNKS, U32_PER_CHUNK, BATCH, EVEN_K, NORM, GATED, PACKED_X, INTERPRETER_SAFE)
+            squares, CHUNKS, U32_PER_CHUNK, BATCH, EVEN_K, NORM, GATED, PACKED_X, INTERPRETER_SAFE)
         acc = _multiply(acc, word, tile, x_lanes, valid, DTYPE, PACKED_X, INTERPRETER_SAFE)
         if PREFETCH == 2:
             word, tile, x_lanes, valid = word1, tile1, x_lanes1, valid1
@@ -316,11 +318,21 @@ def _spmv_kernel(x_ptr, values_ptr, mask_ptr, y_ptr, workspace_ptr, arrivals_ptr
     lanes = tl.arange(0, BATCH)
     out_offsets = lanes[None, :] * n_rows + out_rows[:, None]
     out_ok = (out_rows < n_rows)[:, None] & (lanes < batch_rows)[None, :]
+    if NORM:  # sum(x^2) over this program's words; with K split, the row block's sum goes through the
+        # workspace past the partial products (it holds batch_rows x n_rows of them), like theirs
+        square_sums = tl.sum(_join_lanes(squares, 0, BATCH), axis=0)
+        square_sums_ptr = workspace_ptr + batch_rows * n_rows + tl.program_id(0) * BATCH + lanes
+        if tl.num_programs(1) > 1:
+            tl.atomic_add(square_sums_ptr, square_sums, mask=lanes < batch_rows, sem="relaxed")
     total, last = _sum_splits(acc, workspace_ptr, arrivals_ptr, tl.program_id(0), out_offsets, out_ok,
                               tl.num_programs(1))
     if last:  # this program holds the whole row sum: apply the epilogue and store
-        if NORM:  # 1/rms(x) factors out of the row sum, so only the storing program computes it
-            total = total * _inverse_rms(x_ptr, x_stride, batch_rows, n_words * 32, norm_eps, BATCH, THREADS)[None, :]
+        if NORM:  # 1/rms(x) factors out of the row sum
+            if tl.num_programs(1) > 1:
+                square_sums = tl.atomic_xchg(square_sums_ptr.to(tl.pointer_type(tl.int32), bitcast=True),
+                                             tl.zeros_like(square_sums).to(tl.int32),
+                                             mask=lanes < batch_rows).to(tl.float32, bitcast=True)
+            total = total * tl.rsqrt(square_sums / (n_words * 32) + norm_eps)[None, :]
         if RESIDUAL:
             total += tl.load(residual_ptr + out_offsets, mask=out_ok, other=0.0).to(tl.float32)
         tl.store(y_ptr + out_offsets, total.to(y_ptr.dtype.element_ty), mask=out_ok)
@@ -430,7 +442,8 @@ def reserve_workspace(device, n_rows: int):
     pool while this module still holds it, which cudagraph trees reject ("tensors in the
     cudagraph pool not tracked as outputs"). A row block is 32 rows (one warp).
     """
-    _workspace(device, MAX_SPMV_BATCH * n_rows, triton.cdiv(n_rows, 32))
+    row_blocks = triton.cdiv(n_rows, 32)
+    _workspace(device, MAX_SPMV_BATCH * (n_rows + row_blocks), row_blocks)
 
 
 def candidate_configs(n_rows: int, n_words: int, batch: int):
@@ -557,6 +570,8 @@ def spmv(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, config=None,
     if x_width != in_features * (2 if gated else 1) or batch > MAX_SPMV_BATCH:
         raise ValueError(f"spmv: x {tuple(x.shape)} does not fit a packed weight with in_features={in_features}"
                          f"{' (gated: x holds gate and up, 2 x in_features wide)' if gated else ''}")
+    if norm_weight is not None and gated:
+        raise ValueError("spmv: the prologue is either a norm or gated, not both")
     if norm_weight is not None and norm_weight.shape != (in_features, ):
         raise ValueError(f"spmv: norm weight {tuple(norm_weight.shape)} does not match in_features={in_features}")
     if residual is not None and residual.shape != (batch, n_rows):
@@ -576,7 +591,8 @@ def spmv(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, config=None,
         raise ValueError(f"spmv: a prefetch of {prefetch} words needs at least as many words per warp")
     split = triton.cdiv(n_words, slices * words_per_warp)
     row_blocks = triton.cdiv(n_rows, 32)
-    workspace, arrivals = _workspace(x.device, batch * n_rows, row_blocks)
+    # the partial products, then (NORM) each row block's sums of squares
+    workspace, arrivals = _workspace(x.device, batch * n_rows + row_blocks * triton.next_power_of_2(batch), row_blocks)
     y = torch.empty(batch, n_rows, dtype=x.dtype, device=x.device) if out is None else out
     _spmv_kernel[(row_blocks, split)](
         x, values, mask, y, workspace, arrivals, x if norm_weight is None else norm_weight,

@@ -136,6 +136,8 @@ def test_spmv_rejects_fused_operands_of_the_wrong_shape():
         kernels.spmv(torch.randn(1, 64), values, mask, norm_weight=torch.ones(32))
     with pytest.raises(ValueError, match=r"residual \(1, 9\) does not match the output \(1, 8\)"):
         kernels.spmv(torch.randn(1, 64), values, mask, residual=torch.ones(1, 9))
+    with pytest.raises(ValueError, match=r"either a norm or gated, not both"):
+        kernels.spmv(torch.randn(1, 128), values, mask, norm_weight=torch.ones(64), gated=True)
 
 
 @interpreted
@@ -241,11 +243,12 @@ def test_gpu_spmv_dtypes_and_ragged_shapes(dtype, bound, pattern):
 @pytest.mark.parametrize("fusion", ["norm", "residual", "gated+residual"])  # wqkv and w13; wo; w2
 @pytest.mark.parametrize("out_features,in_features", [(6144, 4096), (4096, 14336)])
 def test_gpu_spmv_fused_prologue_and_residual(fusion, out_features, in_features):
-    # Real shapes in bf16: every config the autotuner may pick at batch 1, two of them at batch 3.
+    # Real shapes in bf16: every config the autotuner may pick at batch 1, two of them at batch 3
+    # and at batch 8 (x packed in bf16 pairs by default from 5 rows).
     values, mask = random_packed(out_features, in_features, "2:4", 11, device="cuda", dtype=torch.bfloat16)
     weight = unpack(values, mask)
     gated = FUSED[fusion].get("gated", False)
-    for batch in (1, 3):
+    for batch in (1, 3, 8):
         configs = kernels.candidate_configs(out_features, in_features // 32, batch)
         for config in configs if batch == 1 else configs[:1] + configs[-1:]:
             x = torch.randn(batch, in_features * (2 if gated else 1), device="cuda", dtype=torch.bfloat16)
