@@ -226,8 +226,8 @@ def tuned_spmv_configs(batch_size: int) -> dict:
     """The SpMV config the autotuner chose in this process for each shape at this batch size, so
     that runs of one code in different processes can be compared config by config."""
     from sparse import kernels
-    return {f"{n_rows}x{32 * n_words}{' packed x' if pack_x else ''}": list(config)
-            for (n_rows, n_words, batch, _, pack_x, _), config in kernels._tuned_configs.items()
+    return {f"{n_rows}x{32 * n_words}{' packed x' if pack_x else ''}{' ' + fusion if fusion else ''}": list(config)
+            for (n_rows, n_words, batch, _, pack_x, fusion, _), config in kernels._tuned_configs.items()
             if batch == 1 << (batch_size - 1).bit_length()}
 
 

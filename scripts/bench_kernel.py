@@ -64,8 +64,8 @@ DECODE_FUSION = {"qkv": dict(norm=True), "w13": dict(norm=True), "o": dict(resid
 
 
 def fused_sparse_call(layer: str, batch: int, values, mask, pack_x=None):
-    """The SpMV as a decode step runs it for this layer, with its inputs (the fused variants use the
-    config of the plain product, as spmv_config does); pack_x as kernels.spmv takes it."""
+    """The SpMV as a decode step runs it for this layer, with its inputs and the config tuned for
+    this fusion (kernels.spmv_config); pack_x as kernels.spmv takes it."""
     n_words, n_rows = mask.shape
     fusion = DECODE_FUSION[layer]
     device, dtype = values.device, values.dtype

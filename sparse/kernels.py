@@ -16,7 +16,7 @@
   further and add fp32 partial sums into a workspace with atomics, the last program of a row
   block to arrive casting the sum to the output dtype and zeroing the workspace again, so one
   launch does everything and the workspace is always clean for the next call. Slices and words
-  per warp are autotuned per (out, in, batch).
+  per warp are autotuned per (out, in, batch) and fusion.
   Around the product the SpMV can do a decode step's small ops that would otherwise each be a
   kernel launch of a few microseconds (~100 per Llama-3.1-8B step): RMSNorm of x (the norm
   weight multiplies x's lanes as they are loaded, and each thread also adds up the squares of
@@ -512,17 +512,21 @@ def time_in_cuda_graph(calls, target_ms: float = 3.0, replays: int = 15) -> floa
     return sorted(times)[len(times) // 2] * 1000 / (loops * len(calls))
 
 
-def spmv_config(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, pack_x: bool = False):
-    """The fastest candidate config for this (out, in, batch), timed once and remembered; the fused
-    prologues and residual (spmv's options) run with the config their plain product was given.
+def spmv_config(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, pack_x: bool = False, norm: bool = False,
+                gated: bool = False, residual: bool = False):
+    """The fastest candidate config for this (out, in, batch) and this fusion (norm / gated /
+    residual, as spmv takes them), timed once and remembered.
 
     Timed as the benchmark and a compiled decode run it: inside a CUDA graph, rotating over copies
     of the weight that together exceed the L2 three times, so they come from DRAM. (triton's
     do_bench, which clears the L2 but launches each call from Python, picked configs up to 27 %
-    slower than the best on 5 of 16 shapes in the 2026-12-01 sweep: docs/KERNEL_NOTES.md.)
+    slower than the best on 5 of 16 shapes in the 2026-12-01 sweep: docs/KERNEL_NOTES.md.) The
+    fused call is timed itself: with the plain product's choice, near-ties for the product became
+    the fused calls' configs, up to 10 % apart between processes (session 12, KERNEL_NOTES.md).
     """
     n_words, n_rows = mask.shape
-    key = (n_rows, n_words, triton.next_power_of_2(x.shape[0]), values.dtype, pack_x, x.device)
+    fusion = "+".join(name for name, on in (("norm", norm), ("gated", gated), ("residual", residual)) if on)
+    key = (n_rows, n_words, triton.next_power_of_2(x.shape[0]), values.dtype, pack_x, fusion, x.device)
     if key not in _tuned_configs:
         configs = candidate_configs(n_rows, n_words, x.shape[0])
         if len(configs) == 1 or not x.is_cuda:
@@ -532,8 +536,12 @@ def spmv_config(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, pack_
         else:
             nbytes = values.numel() * values.element_size() + mask.numel() * 4
             copies = [(values, mask)] + [(values.clone(), mask.clone()) for _ in range(copies_for(nbytes) - 1)]
-            x = torch.randn(x.shape[0], n_words * 32, dtype=x.dtype, device=x.device)  # x may be [gate | up]
-            timings = [time_in_cuda_graph([lambda v=v, m=m, c=c: spmv(x, v, m, config=c, pack_x=pack_x)
+            batch, in_features = x.shape[0], n_words * 32
+            x = torch.randn(batch, x.shape[1], dtype=x.dtype, device=x.device)
+            operands = dict(gated=gated, pack_x=pack_x, norm_eps=1e-5,
+                            norm_weight=torch.ones(in_features, dtype=x.dtype, device=x.device) if norm else None,
+                            residual=torch.zeros(batch, n_rows, dtype=x.dtype, device=x.device) if residual else None)
+            timings = [time_in_cuda_graph([lambda v=v, m=m, c=c: spmv(x, v, m, config=c, **operands)
                                            for v, m in copies],
                                           target_ms=1.0, replays=9) for c in configs]
             del copies
@@ -586,7 +594,8 @@ def spmv(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, config=None,
     pack_x = packs_x(x) if pack_x is None else pack_x
     if pack_x and batch < 2:
         raise ValueError("spmv: packing x in pairs of rows needs at least 2 rows")
-    slices, words_per_warp, prefetch = config or spmv_config(x, values, mask, pack_x)
+    slices, words_per_warp, prefetch = config or spmv_config(x, values, mask, pack_x, norm_weight is not None, gated,
+                                                             residual is not None)
     if prefetch > words_per_warp:
         raise ValueError(f"spmv: a prefetch of {prefetch} words needs at least as many words per warp")
     split = triton.cdiv(n_words, slices * words_per_warp)

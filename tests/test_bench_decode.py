@@ -68,10 +68,10 @@ def test_the_child_forwards_every_protocol_flag(monkeypatch, tmp_path):
 def test_the_tuned_spmv_configs_of_one_batch_size_are_reported(monkeypatch):
     import torch
     from sparse import kernels
-    tuned = {(4096, 128, 4, torch.bfloat16, False, "cuda:0"): (32, 4, 1),
-             (28672, 128, 8, torch.bfloat16, True, "cuda:0"): (16, 8, 1),
-             (4096, 448, 1, torch.bfloat16, False, "cuda:0"): (32, 14, 1)}
+    tuned = {(4096, 128, 4, torch.bfloat16, False, "residual", "cuda:0"): (32, 4, 1),
+             (28672, 128, 8, torch.bfloat16, True, "norm", "cuda:0"): (16, 8, 1),
+             (4096, 448, 1, torch.bfloat16, False, "", "cuda:0"): (32, 14, 1)}
     monkeypatch.setattr(kernels, "_tuned_configs", tuned)
-    assert bench_decode.tuned_spmv_configs(3) == {"4096x4096": [32, 4, 1]}  # 3 rows run as 4
-    assert bench_decode.tuned_spmv_configs(8) == {"28672x4096 packed x": [16, 8, 1]}
+    assert bench_decode.tuned_spmv_configs(3) == {"4096x4096 residual": [32, 4, 1]}  # 3 rows run as 4
+    assert bench_decode.tuned_spmv_configs(8) == {"28672x4096 packed x norm": [16, 8, 1]}
     assert bench_decode.tuned_spmv_configs(1) == {"4096x14336": [32, 14, 1]}
