@@ -235,7 +235,8 @@ def _silu(x, INTERPRETER_SAFE: tl.constexpr):
     """x * sigmoid(x). On the GPU as h + h * tanh(h) with h = x / 2: three instructions (one of them
     the MUFU's tanh.approx, relative error ~2^-11, below bf16's rounding), where x / (1 + exp(-x))
     compiled to ~13 with two MUFU ops and their range fix-ups. Every row block's program computes
-    it again for its words, so at 8 rows of x it was a third of the gated SpMV's instructions."""
+    it again for its words; at 8 rows of x the gated SpMV's SASS went from 1512 to 1360
+    instructions with it (the plain product's: 1136)."""
     if INTERPRETER_SAFE:
         return x / (1.0 + tl.exp(-x))
     half = 0.5 * x
