@@ -78,6 +78,33 @@ def fused_sparse_call(layer: str, batch: int, values, mask, pack_x=None):
     return lambda: kernels.spmv(x, values, mask, **options)
 
 
+@torch.compile(fullgraph=True)
+def _rms_norm(x, weight):
+    return F.rms_norm(x, (x.shape[-1], ), weight, 1e-5)
+
+
+@torch.compile(fullgraph=True)
+def _silu_mul(gate_up):
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def unfused_sparse_call(layer: str, batch: int, values, mask, pack_x=None):
+    """The alternative to fused_sparse_call for the layers with a prologue (qkv, w13: the norm; w2:
+    silu·mul): the prologue as its own Inductor kernel, as the dense graph runs it, then the SpMV
+    with only the residual fused. None for o, which has no prologue."""
+    fusion = DECODE_FUSION[layer]
+    if not (fusion.get("norm") or fusion.get("gated")):
+        return None
+    n_words, n_rows = mask.shape
+    device, dtype = values.device, values.dtype
+    x = torch.randn(batch, n_words * 32 * (2 if fusion.get("gated") else 1), device=device, dtype=dtype)
+    norm_weight = torch.rand(n_words * 32, device=device, dtype=dtype) + 0.5
+    residual = torch.randn(batch, n_rows, device=device, dtype=dtype) if fusion.get("residual") else None
+    prologue = (lambda: _silu_mul(x)) if fusion.get("gated") else (lambda: _rms_norm(x, norm_weight))
+    return lambda: kernels.spmv(prologue(), values, mask, residual=residual, pack_x=pack_x)
+
+
 def decode_chain(model: str, pattern: str = "2:4", layers: int = 32, distinct: int = 8) -> dict:
     """The SpMV part of a batch-1 decode step: `layers` layers of qkv (norm) -> o (residual) -> w13
     (norm) -> w2 (gated + residual), each reading the output of the one before, with a small copy
@@ -107,9 +134,10 @@ def decode_chain(model: str, pattern: str = "2:4", layers: int = 32, distinct: i
 
 def pack_x_ab(models, batches) -> list:
     """The SpMV with x shuffled one row per register against two rows per register (bf16 pairs,
-    kernels.packs_x), each with its own autotuned config, plain and with the layer's fused prologue
-    and epilogue (DECODE_FUSION, up to 8 rows), the tensor-core SpMM from 9 rows, and cuBLAS; each
-    plain SpMV's output checked against float64 first."""
+    kernels.packs_x), each with its own autotuned config, plain, with the layer's fused prologue
+    and epilogue (DECODE_FUSION, up to 8 rows) and with the prologue as a kernel of its own
+    (unfused_sparse_call), the tensor-core SpMM from 9 rows, and cuBLAS; each plain SpMV's output
+    checked against float64 first."""
     from sparse import spmm
     from sparse.format import unpack
     rows = []
@@ -139,13 +167,17 @@ def pack_x_ab(models, batches) -> list:
                 if batch < SPMM_MIN_ROWS:
                     row[f"{name}_fused_us"] = kernels.time_in_cuda_graph(
                         [fused_sparse_call(layer, batch, v, m, pack_x) for v, m in packed])
+                    if unfused_sparse_call(layer, batch, values, mask) is not None:
+                        row[f"{name}_unfused_us"] = kernels.time_in_cuda_graph(
+                            [unfused_sparse_call(layer, batch, v, m, pack_x) for v, m in packed])
             if batch >= SPMM_MIN_ROWS:
                 row["spmm_us"] = kernels.time_in_cuda_graph([lambda v=v, m=m: spmm.spmm(x, v, m) for v, m in packed])
             rows.append(row)
             print(f"{layer} {out_features}x{in_features} b{batch}: cuBLAS {row['dense_us']:.1f}  plain "
                   f"{row['plain_us']:.1f} {tuple(row['plain_config'])}  packed {row['packed_us']:.1f} "
                   f"{tuple(row['packed_config'])}  fused plain {row.get('plain_fused_us', float('nan')):.1f} packed "
-                  f"{row.get('packed_fused_us', float('nan')):.1f}  SpMM {row.get('spmm_us', float('nan')):.1f} µs",
+                  f"{row.get('packed_fused_us', float('nan')):.1f}  unfused plain {row.get('plain_unfused_us', float('nan')):.1f}"
+                  f" packed {row.get('packed_unfused_us', float('nan')):.1f}  SpMM {row.get('spmm_us', float('nan')):.1f} µs",
                   flush=True)
         del packed, weights
         torch.cuda.empty_cache()
@@ -154,15 +186,16 @@ def pack_x_ab(models, batches) -> list:
 
 def pack_x_summary(rows: list) -> str:
     lines = ["| layer | out×in | rows | cuBLAS µs | plain µs (speedup) | packed µs (speedup) | packed / plain "
-             "| fused: plain µs | fused: packed µs | packed / plain | SpMM µs |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| fused: plain µs | fused: packed µs | packed / plain | prologue apart: plain µs | packed µs | SpMM µs |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         spmm_us = f"{r['spmm_us']:.1f}" if "spmm_us" in r else "-"
         fused = (f"{r['plain_fused_us']:.1f} | {r['packed_fused_us']:.1f} | {r['packed_fused_us'] / r['plain_fused_us']:.3f}"
                  if "plain_fused_us" in r else "- | - | -")
+        unfused = (f"{r['plain_unfused_us']:.1f} | {r['packed_unfused_us']:.1f}" if "plain_unfused_us" in r else "- | -")
         lines.append(f"| {r['layer']} | {r['out']}×{r['inp']} | {r['batch']} | {r['dense_us']:.1f} | {r['plain_us']:.1f} "
                      f"({r['dense_us'] / r['plain_us']:.2f}×) | {r['packed_us']:.1f} ({r['dense_us'] / r['packed_us']:.2f}×) "
-                     f"| {r['packed_us'] / r['plain_us']:.3f} | {fused} | {spmm_us} |")
+                     f"| {r['packed_us'] / r['plain_us']:.3f} | {fused} | {unfused} | {spmm_us} |")
     return "\n".join(lines)
 
 

@@ -15,7 +15,8 @@
 #   kernel_table_b1  the same table at batch 1 only, without torch's 2:4 (~1)
 #   unpack_sweep    bench_kernel.py --unpack-sweep all: the prefill's expansion to dense, kernels x configs (~2)
 #   kernel_pack_x   bench_kernel.py --pack-x: x one row per register vs bf16 pairs, Llama-3.1-8B and Qwen3-14B
-#                   shapes at 2, 4, 8, 16 rows, each autotuned, with cuBLAS and the SpMM (~3)
+#                   shapes at 2, 4, 8, 16 rows, each autotuned, plain / fused / prologue apart, with cuBLAS
+#                   and the SpMM (~6)
 #   kernel_chain    bench_kernel.py --chain: a decode step's SpMVs back to back, no model compile (~1)
 #   kernel_sweep    bench_kernel.py --sweep on the Llama-3.1-8B and Qwen3-14B shapes at batch 1 and 4 (~4)
 #   kernel_sweep_b1 the same sweep at batch 1 on all 16 shapes of the kernel table, with cuBLAS (~2)
