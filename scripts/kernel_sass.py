@@ -57,18 +57,18 @@ def kernels_module(revision: str = None):
 
 
 def compile_spmv(kernels, batch: int, slices: int, prefetch: int, nnz_per_word: int = 16,
-                 dtype: str = "bf16", even_k: bool = True, variant: str = "plain") -> dict:
+                 dtype: str = "bf16", even_k: bool = True, variant: str = "plain", packed_x: bool = False) -> dict:
     """Compile the SpMV for sm_90a and count its machine code; one loop trip = one mask word of
     one row per thread, so per kept weight = loop instructions / nnz_per_word. variant: "plain",
     "norm" (the RMSNorm prologue: what wqkv and w13 run in a decode step) or "gated" (silu(gate) *
-    up and the residual: w2)."""
+    up and the residual: w2); packed_x: two rows of x to a register (bf16 pairs, kernels.packs_x)."""
     signature = {"x_ptr": f"*{dtype}", "values_ptr": f"*{dtype}", "mask_ptr": "*i32", "y_ptr": f"*{dtype}",
                  "workspace_ptr": "*fp32", "arrivals_ptr": "*i32", "norm_ptr": f"*{dtype}",
                  "residual_ptr": f"*{dtype}", "n_rows": "i32", "n_words": "i32", "words_per_warp": "i32",
                  "batch_rows": "i32", "x_stride": "i32", "in_features": "i32", "norm_eps": "fp32"}
     constants = dict(NNZ=nnz_per_word, CHUNK=min(8, nnz_per_word), BATCH=batch, SLICES=slices, PREFETCH=prefetch,
                      EVEN_K=even_k, NORM=variant == "norm", RESIDUAL=variant == "gated",
-                     GATED=variant == "gated", INTERPRETER_SAFE=False)
+                     GATED=variant == "gated", PACKED_X=packed_x, INTERPRETER_SAFE=False)
     signature.update({name: "constexpr" for name in constants})
     # The arguments this revision's kernel has (older ones lack the fused operands).
     signature = {name: kind for name, kind in signature.items() if name in kernels._spmv_kernel.arg_names}
@@ -88,7 +88,8 @@ def compile_spmv(kernels, batch: int, slices: int, prefetch: int, nnz_per_word: 
     return dict(registers=int(re.search(r"Used (\d+) registers", report).group(1)),
                 spill_bytes=int(re.search(r"(\d+) bytes spill stores", report).group(1)),
                 loop=len(loop) or None, ffma=count(loop_ops, "FFMA"), flo=count(loop_ops, "FLO"),
-                shfl=count(loop_ops, "SHFL"), loads=len(loads), shared=count(loop_ops, "LDS", "STS", "BAR"),
+                shfl=count(loop_ops, "SHFL"), mufu=count(loop_ops, "MUFU"), loads=len(loads),
+                shared=count(loop_ops, "LDS", "STS", "BAR"),
                 last_load_at=(max(loads) / len(loop)) if loads else None,
                 kept_weights=nnz_per_word, sass=sass)
 

@@ -19,13 +19,24 @@ def test_batch_one_spmv_machine_code():
 
 
 def test_fused_prologues_cost_one_load_per_word():
-    # The RMSNorm prologue (wqkv, w13) adds the norm weight's load and a multiply per word, silu(gate)
-    # * up (w2) the up load and the silu: per word, not per kept weight, so the loop stays well
-    # under the issue budget.
+    # The RMSNorm prologue (wqkv, w13) adds the norm weight's load, a multiply and the square of x
+    # for 1/rms (one FFMA) per word; silu(gate) * up (w2) the up load and h + h * tanh(h) with one
+    # MUFU op: per word, not per kept weight, so the loop stays well under the issue budget.
     for variant in ("norm", "gated"):
         report = kernel_sass.compile_spmv(kernel_sass.kernels_module(), batch=1, slices=4, prefetch=2,
                                           variant=variant)
         assert report["spill_bytes"] == 0, variant
-        assert report["ffma"] == 16 and report["flo"] == 16 and report["shfl"] == 16, variant
+        assert report["ffma"] == 17 and report["flo"] == 16 and report["shfl"] == 16, variant
+        assert report["mufu"] == (1 if variant == "gated" else 0), variant
         assert report["loads"] == 5 and report["shared"] == 0, variant
         assert report["loop"] / report["kept_weights"] < 10, variant
+
+
+def test_packed_x_halves_the_shuffles():
+    # At 8 rows of x, one shuffle per kept weight serves two rows (bf16 pairs in one register):
+    # 64 shuffles per word instead of 128, the 128 FMAs unchanged, no shared memory in the loop.
+    for packed_x, shuffles in ((False, 128), (True, 64)):
+        report = kernel_sass.compile_spmv(kernel_sass.kernels_module(), batch=8, slices=4, prefetch=1,
+                                          packed_x=packed_x)
+        assert report["spill_bytes"] == 0 and report["shared"] == 0, packed_x
+        assert report["shfl"] == shuffles and report["ffma"] == 128 and report["flo"] == 16, packed_x
