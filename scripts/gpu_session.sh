@@ -17,6 +17,7 @@
 #   kernel_pack_x   bench_kernel.py --pack-x: x one row per register vs bf16 pairs, Llama-3.1-8B and Qwen3-14B
 #                   shapes at 2, 4, 8, 16 rows, each autotuned, plain / fused / prologue apart, with cuBLAS
 #                   and the SpMM (~6)
+#   kernel_pack_x_b48  the same at 4 and 8 rows only, the rows where packing and the fused prologues are undecided (~3)
 #   kernel_chain    bench_kernel.py --chain: a decode step's SpMVs back to back, no model compile (~1)
 #   kernel_sweep    bench_kernel.py --sweep on the Llama-3.1-8B and Qwen3-14B shapes at batch 1 and 4 (~4)
 #   kernel_sweep_b1 the same sweep at batch 1 on all 16 shapes of the kernel table, with cuBLAS (~2)
@@ -59,6 +60,7 @@ declare -A JOBS=(
   [kernel_table_b1]="python3 scripts/bench_kernel.py --batches 1 --no-semi --out-md \$JOB/table.md --out-json \$JOB/bench.json"
   [unpack_sweep]="python3 scripts/bench_kernel.py --unpack-sweep all --out-json \$JOB/unpack.json"
   [kernel_pack_x]="python3 scripts/bench_kernel.py --pack-x Llama-3.1-8B,Qwen3-14B --batches 2,4,8,16 --out-md \$JOB/pack_x.md --out-json \$JOB/pack_x.json"
+  [kernel_pack_x_b48]="python3 scripts/bench_kernel.py --pack-x Llama-3.1-8B,Qwen3-14B --batches 4,8 --out-md \$JOB/pack_x.md --out-json \$JOB/pack_x.json"
   [kernel_chain]="python3 scripts/bench_kernel.py --chain Llama-3.1-8B,Qwen3-14B --out-json \$JOB/chain.json"
   [kernel_table]="python3 scripts/bench_kernel.py --out-md \$JOB/table.md --out-json \$JOB/bench.json"
   [kernel_sweep]="python3 scripts/bench_kernel.py --sweep --sweep-shapes 6144x4096,4096x4096,28672x4096,4096x14336,7168x5120,5120x5120,34816x5120,5120x17408 --sweep-batches 1,4 --out-json \$JOB/sweep.json"
