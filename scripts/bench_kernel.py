@@ -167,7 +167,7 @@ def pack_x_ab(models, batches) -> list:
                 if batch < SPMM_MIN_ROWS:
                     row[f"{name}_fused_us"] = kernels.time_in_cuda_graph(
                         [fused_sparse_call(layer, batch, v, m, pack_x) for v, m in packed])
-                    if unfused_sparse_call(layer, batch, values, mask) is not None:
+                    if DECODE_FUSION[layer].get("norm") or DECODE_FUSION[layer].get("gated"):  # o has no prologue
                         row[f"{name}_unfused_us"] = kernels.time_in_cuda_graph(
                             [unfused_sparse_call(layer, batch, v, m, pack_x) for v, m in packed])
             if batch >= SPMM_MIN_ROWS:
