@@ -119,7 +119,8 @@ class KVCache(nn.Module):
         # indexes the whole buffer (rows, :, positions), not a slice [:B] of it: for a batch smaller
         # than the cache, Inductor compiled an in-place write into the slice as a copy of the slice's
         # whole cache out and back (seen in its output code), every layer and step: by arithmetic
-        # ~1.6 GB a step at batch 4 of 8 rows on Llama-3.1-8B (docs/BENCHMARKS.md, session 11).
+        # ~1.6 GB a step at batch 4 of 8 rows on Llama-3.1-8B. Measured after the fix: both engines'
+        # batch-4 steps 0.5-0.7 ms faster in that protocol (docs/BENCHMARKS.md, sessions 11-12).
         B = k.shape[0]
         rows = torch.arange(B, device=k.device)[:, None]
         self.k_cache[rows, :, input_pos[None, :]] = k.transpose(1, 2)  # indexed shape: [B, T, H, D]
