@@ -250,18 +250,27 @@ class FeedForward(nn.Module):
 def project(linear: nn.Module, x: Tensor, norm: Optional[nn.Module] = None, residual: Optional[Tensor] = None,
             gated: bool = False) -> Tensor:
     """residual + linear(prologue(x)): the prologue is norm(x), or silu(gate) * up for gated
-    x = [gate | up]. A SparseLinear that can (a decode step on the GPU: `fuses`) does all of it
-    in its SpMV kernel, saving the launches of separate norm, add and silu kernels; otherwise
-    these are plain ops, which Inductor fuses with one another and, for nn.Linear, into its GEMV."""
-    if getattr(linear, "fuses", None) is not None and linear.fuses(x):
+    x = [gate | up]. A SparseLinear that can (a decode step on the GPU: `fuses`) adds the residual
+    in its SpMV kernel and, for few rows, also does the prologue there, saving the launches of
+    separate norm, add and silu kernels; otherwise these are plain ops, which Inductor fuses with
+    one another and, for nn.Linear, into its GEMV."""
+    fuses = getattr(linear, "fuses", None)
+    if fuses is not None and fuses(x):
+        if (norm is not None or gated) and not fuses(x, prologue=True):
+            x, norm, gated = prologue(x, norm, gated), None, False
         return linear(x, norm=norm, residual=residual, gated=gated)
+    y = linear(prologue(x, norm, gated))
+    return y if residual is None else residual + y
+
+
+def prologue(x: Tensor, norm: Optional[nn.Module], gated: bool) -> Tensor:
+    """norm(x) if a norm is given, then silu(gate) * up of x = [gate | up] if gated."""
     if norm is not None:
         x = norm(x)
     if gated:
         gate, up = x.chunk(2, dim=-1)
         x = F.silu(gate) * up
-    y = linear(x)
-    return y if residual is None else residual + y
+    return x
 
 
 class RMSNorm(nn.Module):

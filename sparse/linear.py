@@ -29,6 +29,11 @@ from sparse.format import pack, packed_shapes, unpack
 # time at 2048 tokens.
 SPMM_MIN_ROWS = 9
 SPMM_PREFILL = False
+# From this many rows of x the prologue (RMSNorm, silu(gate) * up) runs as its own small kernel
+# before the SpMV, which then only fuses the residual: inside the SpMV every row block repeats the
+# prologue's per-element work, which grows with the rows while one extra launch does not
+# (docs/KERNEL_NOTES.md, session 13). SPMM_MIN_ROWS: always fused.
+PROLOGUE_APART_MIN_ROWS = SPMM_MIN_ROWS
 
 
 @torch.library.custom_op("sparse_decoding::bitmask_matmul", mutates_args=())
@@ -103,10 +108,13 @@ class SparseLinear(nn.Module):
         layer.values, layer.mask = pack(weight, pattern, mask)
         return layer
 
-    def fuses(self, x: Tensor) -> bool:
-        """Whether forward can take the prologue and residual for this x (model.project asks): a
-        decode-sized x that goes to the SpMV kernel."""
-        return not _without_kernels(x) and x.numel() // x.shape[-1] < SPMM_MIN_ROWS
+    def fuses(self, x: Tensor, prologue: bool = False) -> bool:
+        """Whether forward can take the residual for this x (model.project asks): a decode-sized x
+        that goes to the SpMV kernel; with prologue=True, whether it should also take the norm or
+        silu(gate) * up (fewer than PROLOGUE_APART_MIN_ROWS rows)."""
+        rows = x.numel() // x.shape[-1]
+        return (not _without_kernels(x) and rows < SPMM_MIN_ROWS
+                and (not prologue or rows < PROLOGUE_APART_MIN_ROWS))
 
     def forward(self, x: Tensor, norm: nn.Module = None, residual: Tensor = None, gated: bool = False) -> Tensor:
         """x @ W.T; where `fuses(x)`, optionally residual + prologue(x) @ W.T in the same kernel, the
