@@ -3,7 +3,8 @@
 For every linear shape of Llama-3.1-8B, Qwen3-14B, Qwen3-32B and Llama-3.3-70B, at batch 1, 4, 8,
 16 and a 2048-token prefill: median time per call, achieved GB/s, speedup over cuBLAS bf16
 `F.linear`, over `to_sparse_semi_structured` (2:4, cuSPARSELt), the same SpMV with the prologue or
-epilogue a decode step fuses into it for that layer (up to 8 rows; DECODE_FUSION), and the bandwidth floor (the
+epilogue a decode step runs with it for that layer (up to 8 rows; DECODE_FUSION: fused into the SpMV, or from
+PROLOGUE_APART_MIN_ROWS rows the prologue as its own kernel before it), and the bandwidth floor (the
 packed bytes over the fastest read bandwidth cuBLAS reached in the same run: a device copy,
 which also writes, measured only 2.77 TB/s here while GEMV streams read 4.18).
 
@@ -35,7 +36,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from sparse import kernels  # noqa: E402
 from sparse.format import pack  # noqa: E402
-from sparse.linear import SPMM_MIN_ROWS  # noqa: E402
+from sparse.linear import PROLOGUE_APART_MIN_ROWS, SPMM_MIN_ROWS  # noqa: E402
 
 SHAPES = {  # (layer, out_features, in_features); qkv and w13 fused as in model.py
     "Llama-3.1-8B": [("qkv", 6144, 4096), ("o", 4096, 4096), ("w13", 28672, 4096), ("w2", 4096, 14336)],
@@ -61,6 +62,10 @@ def sparse_call(x, values, mask, config=None):
 # RMSNorm before qkv and w13, silu(gate) * up before w2, the residual add after o and w2.
 DECODE_FUSION = {"qkv": dict(norm=True), "w13": dict(norm=True), "o": dict(residual=True),
                  "w2": dict(gated=True, residual=True)}
+
+
+def has_prologue(layer: str) -> bool:
+    return bool(DECODE_FUSION[layer].get("norm") or DECODE_FUSION[layer].get("gated"))
 
 
 def fused_sparse_call(layer: str, batch: int, values, mask, pack_x=None):
@@ -93,9 +98,9 @@ def unfused_sparse_call(layer: str, batch: int, values, mask, pack_x=None):
     """The alternative to fused_sparse_call for the layers with a prologue (qkv, w13: the norm; w2:
     silu·mul): the prologue as its own Inductor kernel, as the dense graph runs it, then the SpMV
     with only the residual fused. None for o, which has no prologue."""
-    fusion = DECODE_FUSION[layer]
-    if not (fusion.get("norm") or fusion.get("gated")):
+    if not has_prologue(layer):
         return None
+    fusion = DECODE_FUSION[layer]
     n_words, n_rows = mask.shape
     device, dtype = values.device, values.dtype
     x = torch.randn(batch, n_words * 32 * (2 if fusion.get("gated") else 1), device=device, dtype=dtype)
@@ -167,7 +172,7 @@ def pack_x_ab(models, batches) -> list:
                 if batch < SPMM_MIN_ROWS:
                     row[f"{name}_fused_us"] = kernels.time_in_cuda_graph(
                         [fused_sparse_call(layer, batch, v, m, pack_x) for v, m in packed])
-                    if DECODE_FUSION[layer].get("norm") or DECODE_FUSION[layer].get("gated"):  # o has no prologue
+                    if has_prologue(layer):  # o has none
                         row[f"{name}_unfused_us"] = kernels.time_in_cuda_graph(
                             [unfused_sparse_call(layer, batch, v, m, pack_x) for v, m in packed])
             if batch >= SPMM_MIN_ROWS:
@@ -265,7 +270,8 @@ def bench_shape(out_features, in_features, batch, pattern, with_semi=True, layer
     sparse_us = kernels.time_in_cuda_graph([sparse_call(x, v, m) for v, m in packed])
     fused_us = None
     if layer in DECODE_FUSION and batch < SPMM_MIN_ROWS:  # the rows a decode step fuses (SparseLinear.fuses)
-        fused_us = kernels.time_in_cuda_graph([fused_sparse_call(layer, batch, v, m) for v, m in packed])
+        decode_call = unfused_sparse_call if has_prologue(layer) and batch >= PROLOGUE_APART_MIN_ROWS else fused_sparse_call
+        fused_us = kernels.time_in_cuda_graph([decode_call(layer, batch, v, m) for v, m in packed])
     del packed
     weights = [weight] + [weight.clone() for _ in range(kernels.copies_for(dense_bytes) - 1)]
     dense_us = kernels.time_in_cuda_graph([lambda w=w: F.linear(x, w) for w in weights])
@@ -388,7 +394,8 @@ def markdown_table(rows: list) -> str:
     lines = [f"Floor = packed bytes (+ x, y) at {peak_gbps / 1e3:.2f} TB/s, the fastest cuBLAS read of this run. "
              "Times in µs per call inside a CUDA graph; speedup = cuBLAS time / sparse time; torch 2:4 is "
              "`to_sparse_semi_structured` + F.linear timed eagerly; fused µs: the same SpMV with the work a "
-             "decode step gives it (RMSNorm before qkv/w13, silu·mul before w2, residual after o/w2).", "",
+             "decode step gives it (RMSNorm before qkv/w13, silu·mul before w2, residual after o/w2; from "
+             f"{PROLOGUE_APART_MIN_ROWS} rows the prologue as its own Inductor kernel before the SpMV, as the step runs it).", "",
              "| model | layer | out×in | batch | sparse µs | GB/s | floor µs | cuBLAS µs | speedup | fused µs | torch 2:4 µs | vs 2:4 |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:

@@ -40,7 +40,7 @@ import triton.language as tl
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_SPMV_BATCH = 16
-PACK_X_MIN_BATCH = 5  # see packs_x and docs/KERNEL_NOTES.md (session 11): 8 rows win, 4 lose end to end
+PACK_X_MIN_BATCH = 4  # see packs_x and docs/KERNEL_NOTES.md (sessions 11 and 13)
 
 
 @triton.jit
@@ -554,7 +554,9 @@ def packs_x(x: torch.Tensor) -> bool:
     """Whether spmv shuffles x two rows to a register (bf16 pairs) by default: for bf16 inputs of
     PACK_X_MIN_BATCH rows or more. Packing halves the shuffles (one per row of x per kept weight)
     at two extra instructions per pair; on the H200 it made every fused decode call 8-19 % faster
-    at 8 rows, but the norm-fused ones 3-14 % slower at 4 (docs/KERNEL_NOTES.md, session 11)."""
+    at 8 rows, but the norm-fused ones 3-14 % slower at 4 (docs/KERNEL_NOTES.md, session 11). With
+    the norm run apart from 4 rows (sparse.linear.PROLOGUE_APART_MIN_ROWS) the 4-row calls gain
+    from packing too (session 13)."""
     return x.dtype == torch.bfloat16 and x.shape[0] >= PACK_X_MIN_BATCH
 
 

@@ -31,9 +31,11 @@ SPMM_MIN_ROWS = 9
 SPMM_PREFILL = False
 # From this many rows of x the prologue (RMSNorm, silu(gate) * up) runs as its own small kernel
 # before the SpMV, which then only fuses the residual: inside the SpMV every row block repeats the
-# prologue's per-element work, which grows with the rows while one extra launch does not
-# (docs/KERNEL_NOTES.md, session 13). SPMM_MIN_ROWS: always fused.
-PROLOGUE_APART_MIN_ROWS = SPMM_MIN_ROWS
+# prologue's per-element work, which grows with the rows while one extra launch does not. On the
+# H200, Llama-3.1-8B 2:4, it made the decode step 6.278 -> 5.665 ms at batch 8 and, with x packed
+# from 4 rows too, 4.219 -> 4.032 ms at batch 4 (docs/KERNEL_NOTES.md, session 13; 1-3 rows keep
+# the fused prologue, which won at batch 1 where the launch is a larger share).
+PROLOGUE_APART_MIN_ROWS = 4
 
 
 @torch.library.custom_op("sparse_decoding::bitmask_matmul", mutates_args=())

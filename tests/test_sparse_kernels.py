@@ -64,11 +64,11 @@ def test_spmv_with_x_packed_in_bf16_pairs_matches_float64(pattern, batch):
 
 
 @interpreted
-def test_spmv_packs_bf16_x_of_five_rows_or_more_by_default():
+def test_spmv_packs_bf16_x_of_four_rows_or_more_by_default():
     values, mask = random_packed(40, 64, "2:4", 3)
     values = values.bfloat16()
     x = torch.randn(8, 64).bfloat16()
-    assert kernels.packs_x(x) and kernels.packs_x(x[:5]) and not kernels.packs_x(x[:4])
+    assert kernels.packs_x(x) and kernels.packs_x(x[:4]) and not kernels.packs_x(x[:3])
     assert not kernels.packs_x(x.float())
     y = kernels.spmv(x, values, mask, config=(2, 1, 1))
     assert relative_error(y, x.double() @ unpack(values, mask).double().T) < 1e-2
