@@ -33,9 +33,14 @@ SPMM_PREFILL = False
 # before the SpMV, which then only fuses the residual: inside the SpMV every row block repeats the
 # prologue's per-element work, which grows with the rows while one extra launch does not. On the
 # H200, Llama-3.1-8B 2:4, it made the decode step 6.278 -> 5.665 ms at batch 8 and, with x packed
-# from 4 rows too, 4.219 -> 4.032 ms at batch 4 (docs/KERNEL_NOTES.md, session 13; 1-3 rows keep
-# the fused prologue, which won at batch 1 where the launch is a larger share).
+# from 4 rows too, 4.219 -> 4.032 ms at batch 4 (docs/KERNEL_NOTES.md, session 13). 1-3 rows keep
+# it fused: at batch 1, fusing the norms and adds made the step 3.30-3.42 -> 3.10-3.20 ms (session
+# 8); 2-3 rows were not measured either way.
 PROLOGUE_APART_MIN_ROWS = 4
+# From this many rows the residual add leaves the SpMV too (it then runs as a plain SpMV, and
+# Inductor fuses the add into the next layer's norm kernel, which runs apart from these rows
+# anyway). Not measured yet: SPMM_MIN_ROWS keeps it fused at every decode size.
+RESIDUAL_APART_MIN_ROWS = SPMM_MIN_ROWS
 
 
 @torch.library.custom_op("sparse_decoding::bitmask_matmul", mutates_args=())
@@ -111,11 +116,12 @@ class SparseLinear(nn.Module):
         return layer
 
     def fuses(self, x: Tensor, prologue: bool = False) -> bool:
-        """Whether forward can take the residual for this x (model.project asks): a decode-sized x
-        that goes to the SpMV kernel; with prologue=True, whether it should also take the norm or
-        silu(gate) * up (fewer than PROLOGUE_APART_MIN_ROWS rows)."""
+        """Whether forward should take the residual for this x (model.project asks): a decode-sized
+        x that goes to the SpMV kernel, fewer than RESIDUAL_APART_MIN_ROWS rows; with prologue=True,
+        whether it should also take the norm or silu(gate) * up (fewer than PROLOGUE_APART_MIN_ROWS
+        rows)."""
         rows = x.numel() // x.shape[-1]
-        return (not _without_kernels(x) and rows < SPMM_MIN_ROWS
+        return (not _without_kernels(x) and rows < min(SPMM_MIN_ROWS, RESIDUAL_APART_MIN_ROWS)
                 and (not prologue or rows < PROLOGUE_APART_MIN_ROWS))
 
     def forward(self, x: Tensor, norm: nn.Module = None, residual: Tensor = None, gated: bool = False) -> Tensor:

@@ -142,14 +142,16 @@ def test_spmv_rejects_fused_operands_of_the_wrong_shape():
 
 @interpreted
 @torch.no_grad()
-@pytest.mark.parametrize("prologue_apart_from", [9, 2])
-def test_sparse_decode_step_through_the_fused_kernels_matches_float64(prologue_apart_from, monkeypatch):
+@pytest.mark.parametrize("prologue_apart_from,residual_apart_from", [(9, 9), (2, 9), (2, 2)])
+def test_sparse_decode_step_through_the_fused_kernels_matches_float64(prologue_apart_from, residual_apart_from,
+                                                                      monkeypatch):
     """A whole model: the decode step's linears take norm, residual and silu * up into the SpMV
-    (SparseLinear.fuses under the interpreter), or from 2 rows only the residual with the prologue
-    run apart, against the unpacked weights in float64 math."""
+    (SparseLinear.fuses under the interpreter), or at its 2 rows only the residual with the
+    prologue run apart, or neither, against the unpacked weights in float64 math."""
     from model import ModelArgs, Transformer
     from sparse import SparseLinear, linear, swap_to_sparse
     monkeypatch.setattr(linear, "PROLOGUE_APART_MIN_ROWS", prologue_apart_from)
+    monkeypatch.setattr(linear, "RESIDUAL_APART_MIN_ROWS", residual_apart_from)
     torch.manual_seed(0)
     config = ModelArgs(dim=64, n_layer=2, n_head=4, n_local_heads=2, intermediate_size=96, vocab_size=50,
                        block_size=32)
@@ -168,8 +170,8 @@ def test_sparse_decode_step_through_the_fused_kernels_matches_float64(prologue_a
         m.setup_caches(2, 16)
         m(tokens[:, :5], torch.arange(5))
     probe = model.layers[0].feed_forward.w2
-    assert probe.fuses(torch.zeros(2, 1, 96)) and not probe.fuses(torch.zeros(2, 5, 96))
-    assert probe.fuses(torch.zeros(2, 1, 96), prologue=True) == (prologue_apart_from > 2)
+    assert probe.fuses(torch.zeros(2, 1, 96)) == (residual_apart_from > 2) and not probe.fuses(torch.zeros(2, 5, 96))
+    assert probe.fuses(torch.zeros(2, 1, 96), prologue=True) == (prologue_apart_from > 2 and residual_apart_from > 2)
     logits = model(tokens[:, 5:], torch.tensor([5]))
     assert relative_error(logits, reference(tokens[:, 5:], torch.tensor([5]))) < 1e-5
 
