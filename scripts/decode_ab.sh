@@ -3,8 +3,8 @@
 # B on a copy of it edited by sed expressions; one process per (variant, batch) and round, so
 # compile and tuning luck lands on both sides. Output under $OUT/{A,B}_b<batch>_r<round>/.
 #   usage: OUT=dir scripts/decode_ab.sh 'FILE:SED_EXPR;FILE:SED_EXPR' ROUNDS BATCHES -- bench_decode args
-#   e.g.   OUT=/tmp/ab scripts/decode_ab.sh 'sparse/kernels.py:s/^PACK_X_MIN_BATCH = 5/PACK_X_MIN_BATCH = 4/' \
-#              1 8,4 -- --models Llama-3.1-8B --patterns 2:4
+#   e.g.   OUT=/tmp/ab scripts/decode_ab.sh 'sparse/linear.py:s/^PROLOGUE_APART_MIN_ROWS = 4/PROLOGUE_APART_MIN_ROWS = 1/' \
+#              1 1,2 -- --models Llama-3.1-8B --patterns 2:4   (gpu_session.sh has such jobs)
 set -euo pipefail
 edits=$1 rounds=$2 batches=$3; shift 4
 tree_b=$(mktemp -d); trap 'rm -rf "$tree_b"' EXIT
