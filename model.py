@@ -250,10 +250,10 @@ class FeedForward(nn.Module):
 def project(linear: nn.Module, x: Tensor, norm: Optional[nn.Module] = None, residual: Optional[Tensor] = None,
             gated: bool = False) -> Tensor:
     """residual + linear(prologue(x)): the prologue is norm(x), or silu(gate) * up for gated
-    x = [gate | up]. A SparseLinear that can (a decode step on the GPU: `fuses`) adds the residual
-    in its SpMV kernel and, for few rows, also does the prologue there, saving the launches of
-    separate norm, add and silu kernels; otherwise these are plain ops, which Inductor fuses with
-    one another and, for nn.Linear, into its GEMV."""
+    x = [gate | up]. A SparseLinear that can (a decode step on the GPU: `fuses`; sparse/linear.py
+    has the row thresholds) adds the residual in its SpMV kernel and, for fewer rows, also does the
+    prologue there, saving the launches of separate norm, add and silu kernels; otherwise these
+    are plain ops, which Inductor fuses with one another and, for nn.Linear, into its GEMV."""
     fuses = getattr(linear, "fuses", None)
     if fuses is not None and fuses(x):
         if (norm is not None or gated) and not fuses(x, prologue=True):
