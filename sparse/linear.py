@@ -39,8 +39,10 @@ SPMM_PREFILL = False
 PROLOGUE_APART_MIN_ROWS = 4
 # From this many rows the residual add leaves the SpMV too (it then runs as a plain SpMV, and
 # Inductor fuses the add into the next layer's norm kernel, which runs apart from these rows
-# anyway). Not measured yet: SPMM_MIN_ROWS keeps it fused at every decode size.
-RESIDUAL_APART_MIN_ROWS = SPMM_MIN_ROWS
+# anyway). H200, Llama-3.1-8B 2:4, A/B in fresh processes (KERNEL_NOTES, session 14): apart from
+# 8 rows the step went 5.862/5.873 -> 5.743/5.725 ms at batch 8, but apart from 4 rows batch 4
+# went 3.981 -> 4.057 ms, so 4-7 rows keep the add fused.
+RESIDUAL_APART_MIN_ROWS = 8
 
 
 @torch.library.custom_op("sparse_decoding::bitmask_matmul", mutates_args=())

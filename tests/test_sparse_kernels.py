@@ -140,6 +140,33 @@ def test_spmv_rejects_fused_operands_of_the_wrong_shape():
         kernels.spmv(torch.randn(1, 128), values, mask, norm_weight=torch.ones(64), gated=True)
 
 
+def sparse_model_and_float64_reference(rows, device="cpu", dtype=torch.float32):
+    """A two-layer 2:4 model after a 5-token prefill of `rows` prompts, the same model with the
+    unpacked weights in float64 on the CPU, and the token of the decode step to feed both."""
+    from model import ModelArgs, Transformer
+    from sparse import SparseLinear, swap_to_sparse
+    torch.manual_seed(0)
+    config = ModelArgs(dim=64, n_layer=2, n_head=4, n_local_heads=2, intermediate_size=96, vocab_size=50,
+                       block_size=32)
+    model = Transformer(config).eval()
+    for norm in [m for m in model.modules() if type(m).__name__ == "RMSNorm"]:
+        norm.weight.data = 1 + 0.3 * torch.randn_like(norm.weight)  # not all ones: the fused scale counts
+    swap_to_sparse(model, "2:4")
+    model = model.to(device=device, dtype=dtype)
+    reference = Transformer(config).double().eval()
+    reference.load_state_dict({name: tensor.double().cpu() for name, tensor in model.state_dict().items()
+                               if not name.endswith((".values", ".mask"))}, strict=False)
+    for name, module in model.named_modules():
+        if isinstance(module, SparseLinear):
+            reference.get_submodule(name).weight.data = unpack(module.values, module.mask).double().cpu()
+    tokens = torch.randint(0, 50, (rows, 6))
+    model.setup_caches(rows, 16)
+    reference.setup_caches(rows, 16)
+    model(tokens[:, :5].to(device), torch.arange(5, device=device))
+    reference(tokens[:, :5], torch.arange(5))
+    return model, reference, tokens[:, 5:]
+
+
 @interpreted
 @torch.no_grad()
 @pytest.mark.parametrize("prologue_apart_from,residual_apart_from", [(9, 9), (2, 9), (2, 2)])
@@ -148,32 +175,15 @@ def test_sparse_decode_step_through_the_fused_kernels_matches_float64(prologue_a
     """A whole model: the decode step's linears take norm, residual and silu * up into the SpMV
     (SparseLinear.fuses under the interpreter), or at its 2 rows only the residual with the
     prologue run apart, or neither, against the unpacked weights in float64 math."""
-    from model import ModelArgs, Transformer
-    from sparse import SparseLinear, linear, swap_to_sparse
+    from sparse import linear
     monkeypatch.setattr(linear, "PROLOGUE_APART_MIN_ROWS", prologue_apart_from)
     monkeypatch.setattr(linear, "RESIDUAL_APART_MIN_ROWS", residual_apart_from)
-    torch.manual_seed(0)
-    config = ModelArgs(dim=64, n_layer=2, n_head=4, n_local_heads=2, intermediate_size=96, vocab_size=50,
-                       block_size=32)
-    model = Transformer(config).eval()
-    for norm in [m for m in model.modules() if type(m).__name__ == "RMSNorm"]:
-        norm.weight.data = 1 + 0.3 * torch.randn_like(norm.weight)  # not all ones: the fused scale counts
-    swap_to_sparse(model, "2:4")
-    reference = Transformer(config).double().eval()
-    reference.load_state_dict({name: tensor.double() for name, tensor in model.state_dict().items()
-                               if not name.endswith((".values", ".mask"))}, strict=False)
-    for name, module in model.named_modules():
-        if isinstance(module, SparseLinear):
-            reference.get_submodule(name).weight.data = unpack(module.values, module.mask).double()
-    tokens = torch.randint(0, 50, (2, 6))
-    for m in (model, reference):
-        m.setup_caches(2, 16)
-        m(tokens[:, :5], torch.arange(5))
+    model, reference, token = sparse_model_and_float64_reference(2)
     probe = model.layers[0].feed_forward.w2
     assert probe.fuses(torch.zeros(2, 1, 96)) == (residual_apart_from > 2) and not probe.fuses(torch.zeros(2, 5, 96))
     assert probe.fuses(torch.zeros(2, 1, 96), prologue=True) == (prologue_apart_from > 2 and residual_apart_from > 2)
-    logits = model(tokens[:, 5:], torch.tensor([5]))
-    assert relative_error(logits, reference(tokens[:, 5:], torch.tensor([5]))) < 1e-5
+    logits = model(token, torch.tensor([5]))
+    assert relative_error(logits, reference(token, torch.tensor([5]))) < 1e-5
 
 
 @interpreted
@@ -216,6 +226,22 @@ def test_gpu_spmv_every_candidate_config(out_features, in_features, batch):
 
 @pytest.mark.gpu
 @needs_cuda
+@torch.no_grad()
+@pytest.mark.parametrize("rows", [1, 4, 8])
+def test_gpu_sparse_decode_step_with_the_default_fusions_matches_float64(rows):
+    """A whole bf16 model's decode step on the GPU with the shipped row thresholds: at 1 row the
+    SpMVs take norm, silu * up and residual; at 4 the prologues run apart; at 8 the residuals too."""
+    from sparse import linear
+    model, reference, token = sparse_model_and_float64_reference(rows, "cuda", torch.bfloat16)
+    probe, x = model.layers[0].feed_forward.w2, torch.zeros(rows, 1, 96, device="cuda", dtype=torch.bfloat16)
+    assert probe.fuses(x) == (rows < linear.RESIDUAL_APART_MIN_ROWS)
+    assert probe.fuses(x, prologue=True) == (rows < min(linear.PROLOGUE_APART_MIN_ROWS, linear.RESIDUAL_APART_MIN_ROWS))
+    logits = model(token.cuda(), torch.tensor([5], device="cuda"))
+    assert relative_error(logits.cpu(), reference(token, torch.tensor([5]))) < 3e-2
+
+
+@pytest.mark.gpu
+@needs_cuda
 @pytest.mark.parametrize("pattern", ["2:4", "16:32", "1:4", "1:8", "1:16", "1:32"])  # 16, 16, 8, 4, 2, 1 a word
 def test_gpu_unpack_to_dense_matches_unpack(pattern):
     # The prefill's expansion, compiled for the GPU (16-byte loads, shuffles): a real shape and a
@@ -250,7 +276,7 @@ def test_gpu_spmv_dtypes_and_ragged_shapes(dtype, bound, pattern):
 @pytest.mark.parametrize("out_features,in_features", [(6144, 4096), (4096, 14336)])
 def test_gpu_spmv_fused_prologue_and_residual(fusion, out_features, in_features):
     # Real shapes in bf16: every config the autotuner may pick at batch 1, two of them at batch 3
-    # and at batch 8 (x packed in bf16 pairs by default from 5 rows).
+    # and at batch 8 (x packed in bf16 pairs by default from kernels.PACK_X_MIN_BATCH rows).
     values, mask = random_packed(out_features, in_features, "2:4", 11, device="cuda", dtype=torch.bfloat16)
     weight = unpack(values, mask)
     gated = FUSED[fusion].get("gated", False)
