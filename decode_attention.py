@@ -12,6 +12,14 @@ whose slots are all masked (past the current position, or left padding) are skip
 kernel reads only the cache that is in use. A second kernel merges the splits' partial results
 (each split's max score, sum of exponentials and weighted values).
 
+`decode_attention_with_cache_write` is the same attention taking q and the new token's k and v as
+the qkv projection left them: it rotates q and k by RoPE itself and writes k and v into the cache
+(the program whose split holds the new slot writes it and uses the registers, not a re-read). In
+the 2:4 model this replaces ~4 Inductor kernels a layer (RoPE of q and k, the cache writes: 137 µs
+a Llama-3.1-8B step at batch 1, docs/BENCHMARKS.md session 8), which cannot fuse into the SpMV
+custom op; the dense model's GEMV had them fused already. `model.py` uses it when
+FUSE_ROPE_AND_CACHE_WRITE is on.
+
 The same source runs under TRITON_INTERPRET=1 on CPU (tests/test_decode_attention.py). The model
 (model.py) calls `decode_attention` only on CUDA, for one query per sequence and head_dim >= 16;
 everything else goes to SDPA.
@@ -26,6 +34,8 @@ from torch import Tensor
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 PROGRAMS_TARGET = 264  # two programs per SM of an H200 (132 SMs)
 BLOCK_SLOTS = 32
+# Off until measured end to end on the GPU (decode_ab.sh; predicted in docs/KERNEL_NOTES.md, session 14).
+FUSE_ROPE_AND_CACHE_WRITE = False
 
 
 @triton.jit
@@ -42,15 +52,32 @@ def _dot(a, b, IEEE: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
 
 
 @triton.jit
+def _load_rotated(ptr, row_offsets, row_ok, cos, sin, HEAD_DIM: tl.constexpr):
+    """Rows ptr + row_offsets (HEAD_DIM each) turned by RoPE in the rotate-half layout, in fp32
+    and rounded back to their dtype, as model.apply_rope does: x * cos + rotate_half(x) * sin."""
+    dims = tl.arange(0, HEAD_DIM)
+    x = tl.load(ptr + row_offsets[:, None] + dims[None, :], mask=row_ok[:, None], other=0.0)
+    partner = tl.load(ptr + row_offsets[:, None] + ((dims + HEAD_DIM // 2) % HEAD_DIM)[None, :],
+                      mask=row_ok[:, None], other=0.0).to(tl.float32)
+    rotated = tl.where(dims[None, :] < HEAD_DIM // 2, -partner, partner)
+    return (x.to(tl.float32) * cos[None, :] + rotated * sin[None, :]).to(x.dtype)
+
+
+@triton.jit
 def _partial_attention_kernel(q_ptr, k_ptr, v_ptr, keep_ptr, acc_ptr, stats_ptr,
+                              new_k_ptr, new_v_ptr, cos_ptr, sin_ptr, write_slot_ptr,
                               n_kv_heads, n_slots, slots_per_split, scale,
                               q_stride_b, q_stride_h, kv_stride_b, kv_stride_h, kv_stride_s, keep_stride_b,
+                              new_stride_b, new_stride_h, rope_stride_b,
                               GROUP_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                              BLOCK: tl.constexpr, IEEE: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
+                              BLOCK: tl.constexpr, ROPE_AND_WRITE: tl.constexpr, IEEE: tl.constexpr,
+                              INTERPRETER_SAFE: tl.constexpr):
     """Partial attention of the GROUP_SIZE query heads of one KV head over one split of the slots.
 
     Writes acc (unnormalised sum of p·V, fp32) and stats (max score, sum of exp) per query head and
-    split; a split with no kept slot leaves max = -inf, sum = 0, acc = 0."""
+    split; a split with no kept slot leaves max = -inf, sum = 0, acc = 0. With ROPE_AND_WRITE, q
+    and the new k (new_k_ptr, new_v_ptr: [B, H_kv, D]) arrive unrotated, are rotated with this
+    row's cos/sin, and the split that holds slot *write_slot_ptr stores the new k and v there."""
     batch_head = tl.program_id(0)
     split = tl.program_id(1)
     b = batch_head // n_kv_heads
@@ -58,20 +85,37 @@ def _partial_attention_kernel(q_ptr, k_ptr, v_ptr, keep_ptr, acc_ptr, stats_ptr,
     rows = tl.arange(0, GROUP)
     row_ok = rows < GROUP_SIZE
     dims = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + b * q_stride_b + (kv_head * GROUP_SIZE + rows)[:, None] * q_stride_h + dims[None, :],
-                mask=row_ok[:, None], other=0.0)
     kv_base = b * kv_stride_b + kv_head * kv_stride_h
+    first = split * slots_per_split
+    last = tl.minimum(first + slots_per_split, n_slots)
+    if ROPE_AND_WRITE:
+        cos = tl.load(cos_ptr + b * rope_stride_b + dims)
+        sin = tl.load(sin_ptr + b * rope_stride_b + dims)
+        q = _load_rotated(q_ptr + b * q_stride_b, (kv_head * GROUP_SIZE + rows) * q_stride_h, row_ok, cos, sin,
+                          HEAD_DIM)
+        new_base = b * new_stride_b + kv_head * new_stride_h
+        one_row = tl.arange(0, 1)
+        new_k = _load_rotated(new_k_ptr + new_base, one_row, one_row == 0, cos, sin, HEAD_DIM)  # [1, D]
+        new_v = tl.load(new_v_ptr + new_base + one_row[:, None] + dims[None, :])
+        write_slot = tl.load(write_slot_ptr)
+        if (first <= write_slot) & (write_slot < last):  # one program per (row, KV head) writes
+            slot_offsets = kv_base + write_slot * kv_stride_s + dims[None, :]
+            tl.store(k_ptr + slot_offsets, new_k.to(k_ptr.dtype.element_ty))
+            tl.store(v_ptr + slot_offsets, new_v.to(v_ptr.dtype.element_ty))
+    else:
+        q = tl.load(q_ptr + b * q_stride_b + (kv_head * GROUP_SIZE + rows)[:, None] * q_stride_h + dims[None, :],
+                    mask=row_ok[:, None], other=0.0)
     max_score = tl.full([GROUP], float("-inf"), tl.float32)
     total = tl.zeros([GROUP], tl.float32)
     acc = tl.zeros([GROUP, HEAD_DIM], tl.float32)
-    first = split * slots_per_split
-    last = tl.minimum(first + slots_per_split, n_slots)
     for start in range(first, last, BLOCK):
         slots = start + tl.arange(0, BLOCK)
         keep = tl.load(keep_ptr + b * keep_stride_b + slots, mask=slots < last, other=0) != 0
         if tl.max(keep.to(tl.int32), axis=0) > 0:
             offsets = kv_base + slots[:, None] * kv_stride_s + dims[None, :]
             k = tl.load(k_ptr + offsets, mask=keep[:, None], other=0.0)
+            if ROPE_AND_WRITE:  # the new slot from registers: no ordering against the store above
+                k = tl.where((slots == write_slot)[:, None], new_k.to(k.dtype), k)
             scores = _dot(q, tl.trans(k), IEEE, INTERPRETER_SAFE) * scale  # [GROUP, BLOCK] fp32
             scores = tl.where(keep[None, :], scores, float("-inf"))
             new_max = tl.maximum(max_score, tl.max(scores, axis=1))
@@ -79,6 +123,8 @@ def _partial_attention_kernel(q_ptr, k_ptr, v_ptr, keep_ptr, acc_ptr, stats_ptr,
             p = tl.exp(scores - new_max[:, None])
             total = total * rescale + tl.sum(p, axis=1)
             v = tl.load(v_ptr + offsets, mask=keep[:, None], other=0.0)
+            if ROPE_AND_WRITE:
+                v = tl.where((slots == write_slot)[:, None], new_v.to(v.dtype), v)
             acc = acc * rescale[:, None] + _dot(p.to(v.dtype), v, IEEE, INTERPRETER_SAFE)
             max_score = new_max
     n_splits = tl.num_programs(1)
@@ -111,13 +157,10 @@ def supports(head_dim: int) -> bool:
     return head_dim >= 16 and head_dim & (head_dim - 1) == 0
 
 
-@torch.library.custom_op("sparse_decoding::decode_attention", mutates_args=())
-def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, keep: Tensor) -> Tensor:
-    """Softmax attention of one query per sequence over a KV cache.
-
-    q [B, H, D]; k_cache, v_cache [B, H_kv, S, D] with unit stride along D; keep [B, S] bool: the
-    slots each sequence may attend. Returns [B, H, D] in q's dtype; scale 1/sqrt(D) like SDPA.
-    """
+def _attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, keep: Tensor, new_k=None, new_v=None, cos=None, sin=None,
+            write_slot=None) -> Tensor:
+    """Both kernels for q [B, H, D] over the first B rows of the caches; the new_k .. write_slot
+    arguments (all or none) turn on the partial kernel's RoPE and cache write."""
     batch, n_heads, head_dim = q.shape
     _, n_kv_heads, n_slots, _ = k_cache.shape
     group_size = n_heads // n_kv_heads
@@ -125,22 +168,63 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, keep: Tensor) 
         raise ValueError(f"decode_attention: unsupported shapes q {tuple(q.shape)}, cache {tuple(k_cache.shape)}")
     if k_cache.stride() != v_cache.stride():
         raise ValueError("decode_attention: k_cache and v_cache must share strides")
+    rope_and_write = new_k is not None
+    if rope_and_write:
+        if new_k.shape != (batch, n_kv_heads, head_dim) or new_v.shape != new_k.shape or new_k.stride() != new_v.stride():
+            raise ValueError(f"decode_attention: new k {tuple(new_k.shape)} / v {tuple(new_v.shape)} do not match "
+                             f"{batch} rows of {n_kv_heads} KV heads of {head_dim}")
+        if cos.shape != (batch, head_dim) or cos.stride() != sin.stride() or cos.stride(1) != 1 or new_k.stride(2) != 1:
+            raise ValueError(f"decode_attention: cos {tuple(cos.shape)} does not match {batch} rows of {head_dim}")
+    else:
+        new_k = new_v = cos = sin = write_slot = q  # unused pointers: the kernel compiles them out
     splits = max(1, min(triton.cdiv(PROGRAMS_TARGET, batch * n_kv_heads), triton.cdiv(n_slots, BLOCK_SLOTS)))
     slots_per_split = triton.cdiv(triton.cdiv(n_slots, splits), BLOCK_SLOTS) * BLOCK_SLOTS
     splits = triton.cdiv(n_slots, slots_per_split)
     acc = torch.empty(batch * n_heads, splits, head_dim, dtype=torch.float32, device=q.device)
     stats = torch.empty(batch * n_heads, splits, 2, dtype=torch.float32, device=q.device)
     _partial_attention_kernel[(batch * n_kv_heads, splits)](
-        q, k_cache, v_cache, keep, acc, stats, n_kv_heads, n_slots, slots_per_split, head_dim ** -0.5,
+        q, k_cache, v_cache, keep, acc, stats, new_k, new_v, cos, sin, write_slot,
+        n_kv_heads, n_slots, slots_per_split, head_dim ** -0.5,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), keep.stride(0),
+        new_k.stride(0), new_k.stride(1), cos.stride(0),
         GROUP_SIZE=group_size, GROUP=max(16, triton.next_power_of_2(group_size)), HEAD_DIM=head_dim,
-        BLOCK=BLOCK_SLOTS, IEEE=q.dtype == torch.float32, INTERPRETER_SAFE=INTERPRETING)
+        BLOCK=BLOCK_SLOTS, ROPE_AND_WRITE=rope_and_write, IEEE=q.dtype == torch.float32,
+        INTERPRETER_SAFE=INTERPRETING)
     out = torch.empty(batch, n_heads, head_dim, dtype=q.dtype, device=q.device)
     _merge_splits_kernel[(batch * n_heads,)](acc, stats, out, splits, SPLITS=triton.next_power_of_2(splits),
                                              HEAD_DIM=head_dim)
     return out
 
 
+@torch.library.custom_op("sparse_decoding::decode_attention", mutates_args=())
+def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, keep: Tensor) -> Tensor:
+    """Softmax attention of one query per sequence over a KV cache.
+
+    q [B, H, D]; k_cache, v_cache [B, H_kv, S, D] with unit stride along D; keep [B, S] bool: the
+    slots each sequence may attend. Returns [B, H, D] in q's dtype; scale 1/sqrt(D) like SDPA.
+    """
+    return _attend(q, k_cache, v_cache, keep)
+
+
 @decode_attention.register_fake
 def _(q: Tensor, k_cache: Tensor, v_cache: Tensor, keep: Tensor) -> Tensor:
+    return torch.empty_like(q)
+
+
+@torch.library.custom_op("sparse_decoding::decode_attention_with_cache_write", mutates_args=("k_cache", "v_cache"))
+def decode_attention_with_cache_write(q: Tensor, new_k: Tensor, new_v: Tensor, cos: Tensor, sin: Tensor,
+                                      write_slot: Tensor, k_cache: Tensor, v_cache: Tensor, keep: Tensor) -> Tensor:
+    """decode_attention for q and the new token's k, v before RoPE and before the cache write.
+
+    q [B, H, D] and new_k, new_v [B, H_kv, D] (unit stride along D; views into the qkv output do);
+    cos, sin [B, D] fp32: each row's RoPE angles (rotate-half layout, model.precompute_rope);
+    write_slot: a one-element integer tensor, the cache slot of the new token (model: input_pos).
+    k_cache, v_cache [B_max >= B, H_kv, S, D] whole buffers: row b < B gets the rotated new k and
+    the new v at write_slot; nothing else in them changes. Returns the attention as decode_attention.
+    """
+    return _attend(q, k_cache, v_cache, keep, new_k, new_v, cos, sin, write_slot)
+
+
+@decode_attention_with_cache_write.register_fake
+def _(q, new_k, new_v, cos, sin, write_slot, k_cache, v_cache, keep) -> Tensor:
     return torch.empty_like(q)

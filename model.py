@@ -12,7 +12,8 @@ Layout choices that other modules rely on:
   layers are called through `project`, which lets a SparseLinear take the norm before it, the
   residual add after it and FeedForward's silu(gate) * up into its decode kernel.
 - On CUDA a decode step (one query per sequence) attends through decode_attention.py's Triton
-  kernels; everything else (prefill, CPU) through `F.scaled_dot_product_attention`.
+  kernels (with decode_attention.FUSE_ROPE_AND_CACHE_WRITE they also apply RoPE and write the KV
+  cache); everything else (prefill, CPU) through `F.scaled_dot_product_attention`.
 """
 import math
 from dataclasses import asdict, dataclass
@@ -223,15 +224,22 @@ class Attention(nn.Module):
         v = v.view(B, T, self.n_local_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
-        if self.kv_cache is not None:  # None: a teacher-forced pass over whole sequences (prune/ replays blocks this way)
-            k, v = self.kv_cache.update(input_pos, k, v)
-        if T == 1 and q.is_cuda and self.kv_cache is not None and decode_attention.supports(self.head_dim):
-            # A decode step: flash-decoding kernels (decode_attention.py says why not SDPA here).
-            y = decode_attention.decode_attention(q[:, :, 0], k, v, mask[:, 0, 0]).unsqueeze(2)
+        # A decode step on the GPU goes to flash-decoding kernels (decode_attention.py says why not SDPA).
+        decode_kernels = T == 1 and q.is_cuda and self.kv_cache is not None and decode_attention.supports(self.head_dim)
+        if decode_kernels and decode_attention.FUSE_ROPE_AND_CACHE_WRITE:  # RoPE and the cache write inside
+            cache = self.kv_cache
+            y = decode_attention.decode_attention_with_cache_write(
+                q[:, 0], k[:, 0], v[:, 0], cos[:, 0], sin[:, 0], input_pos, cache.k_cache, cache.v_cache, mask[:, 0, 0])
+            y = y.unsqueeze(2)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_head != self.n_local_heads)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
+            if self.kv_cache is not None:  # None: a teacher-forced pass over whole sequences (prune/ replays blocks this way)
+                k, v = self.kv_cache.update(input_pos, k, v)
+            if decode_kernels:
+                y = decode_attention.decode_attention(q[:, :, 0], k, v, mask[:, 0, 0]).unsqueeze(2)
+            else:
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_head != self.n_local_heads)
         return project(self.wo, y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim), residual=residual)
 
 

@@ -39,6 +39,10 @@
 #                   takes ~2.3 min cold, ~50 s with the compile caches warm, so one cold call of 560 s
 #                   holds 3 processes, not 4; measured 2026-12-03: apart costs 0.14 ms a step)
 #   decode_prologue_ab_b23  the same at batch 2 and 3: this tree against the prologue apart from 2 rows (~5)
+#   decode_rope_ab_b1  Llama-3.1-8B 2:4 at batch 1: this tree against RoPE and the KV-cache write inside
+#                   the attention kernel (decode_attention.FUSE_ROPE_AND_CACHE_WRITE) (~5)
+#   decode_rope_ab_b48  the same at batch 4 and 8 (~5 warm; cold, one call holds 3 of its 4 processes)
+#   decode_rope_ab_dense  the same for our dense model at batch 1 (its GEMVs had RoPE fused already) (~5)
 #   decode_qwen3    Qwen3-8B and -14B, dense and 2:4, batch 1 (~9); Qwen3-32B is a job of its own:
 #   decode_qwen3_32b
 #   prune_8b        bench_prune.py: SparseGPT 2:4, 262,144 decode tokens on Llama-3.1-8B (~7.5)
@@ -80,6 +84,9 @@ declare -A JOBS=(
   [decode_b1_ours]="$DECODE --models Llama-3.1-8B --patterns dense,2:4 --batch_sizes 1 --profile --out \$JOB"
   [decode_b1_patterns]="$DECODE --models Llama-3.1-8B --patterns dense,4:8,8:16,16:32 --batch_sizes 1 --out \$JOB"
   [decode_prologue_ab_b1]="OUT=\$JOB bash scripts/decode_ab.sh 'sparse/linear.py:s/^PROLOGUE_APART_MIN_ROWS = 4/PROLOGUE_APART_MIN_ROWS = 1/' 1 1 -- --models Llama-3.1-8B --patterns 2:4"
+  [decode_rope_ab_b1]="OUT=\$JOB bash scripts/decode_ab.sh 'decode_attention.py:s/^FUSE_ROPE_AND_CACHE_WRITE = False/FUSE_ROPE_AND_CACHE_WRITE = True/' 1 1 -- --models Llama-3.1-8B --patterns 2:4"
+  [decode_rope_ab_b48]="OUT=\$JOB bash scripts/decode_ab.sh 'decode_attention.py:s/^FUSE_ROPE_AND_CACHE_WRITE = False/FUSE_ROPE_AND_CACHE_WRITE = True/' 1 4,8 -- --models Llama-3.1-8B --patterns 2:4"
+  [decode_rope_ab_dense]="OUT=\$JOB bash scripts/decode_ab.sh 'decode_attention.py:s/^FUSE_ROPE_AND_CACHE_WRITE = False/FUSE_ROPE_AND_CACHE_WRITE = True/' 1 1 -- --models Llama-3.1-8B --patterns dense"
   [decode_prologue_ab_b23]="OUT=\$JOB bash scripts/decode_ab.sh 'sparse/linear.py:s/^PROLOGUE_APART_MIN_ROWS = 4/PROLOGUE_APART_MIN_ROWS = 2/' 1 2,3 -- --models Llama-3.1-8B --patterns 2:4"
   [decode_batches]="$DECODE --models Llama-3.1-8B --patterns dense,2:4 --batch_sizes 4,8 --deadline_s 500 --out \$JOB"
   [decode_qwen3]="$DECODE --models Qwen3-8B,Qwen3-14B --patterns dense,2:4 --batch_sizes 1 --out \$JOB"

@@ -61,6 +61,79 @@ def test_decode_attention_splits_over_slots(monkeypatch):
         assert relative_error(decode_attention.decode_attention(q, k, v, keep), reference) < 1e-5
 
 
+def rotated(x, cos, sin):
+    """model.apply_rope for x [B, H, D] and one position per row (cos, sin [B, D])."""
+    from model import apply_rope
+    return apply_rope(x[:, None], cos[:, None], sin[:, None])[:, 0]
+
+
+def rope_and_write_case(batch, cache_rows, n_heads, n_kv_heads, n_slots, head_dim, position, pads, dtype,
+                        device="cpu"):
+    """Unrotated q and new k, v for `batch` rows; caches of `cache_rows` >= batch rows; each row's
+    RoPE angles at its own position (position - pad, as model.forward gives them)."""
+    from model import precompute_rope
+    g = torch.Generator().manual_seed(position + 17 * batch)
+    new = [torch.randn(batch, heads, head_dim, generator=g).to(device=device, dtype=dtype)
+           for heads in (n_heads, n_kv_heads, n_kv_heads)]
+    caches = [torch.randn(cache_rows, n_kv_heads, n_slots, head_dim, generator=g).to(device=device, dtype=dtype)
+              for _ in range(2)]
+    cos, sin = precompute_rope(n_slots, head_dim, 500000.0)
+    rows_position = position - torch.tensor(pads)
+    slots = torch.arange(n_slots)
+    keep = (slots[None, :] <= position) & (slots[None, :] >= torch.tensor(pads)[:, None])
+    return (*new, cos[rows_position].to(device), sin[rows_position].to(device),
+            torch.tensor([position], device=device), *caches, keep.to(device))
+
+
+# (batch, cache rows, heads, kv heads, slots, head_dim, position, left pads): a batch smaller than
+# the cache, the new slot in a later split with padding in front; the first slot; GQA of 3.
+ROPE_CASES = [(2, 3, 8, 2, 160, 32, 140, [0, 60]), (1, 1, 4, 4, 64, 16, 0, [0]), (2, 2, 9, 3, 50, 16, 33, [0, 2])]
+
+
+def check_rope_and_cache_write(case, dtype, bound, device="cpu"):
+    """decode_attention_with_cache_write against model.apply_rope, the cache written as
+    KVCache.update writes it, and float64 attention; every other slot and row of the caches must
+    stay as it was."""
+    batch, position = case[0], case[6]
+    q, new_k, new_v, cos, sin, write_slot, k_cache, v_cache, keep = rope_and_write_case(*case, dtype=dtype,
+                                                                                        device=device)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    expected_k[:batch, :, position] = rotated(new_k, cos, sin)
+    expected_v[:batch, :, position] = new_v
+    reference = reference_attention(rotated(q, cos, sin), expected_k[:batch], expected_v[:batch], keep)
+    out = decode_attention.decode_attention_with_cache_write(q, new_k, new_v, cos, sin, write_slot, k_cache, v_cache,
+                                                             keep)
+    assert relative_error(out, reference) < bound
+    assert torch.equal(v_cache, expected_v)
+    # The rotated k is rounded from fp32 once either way; the interpreter truncates bf16, the GPU
+    # rounds to nearest: one bf16 step apart at most.
+    written = (slice(None, batch), slice(None), position)
+    ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 0.0
+    assert torch.allclose(k_cache[written].float(), expected_k[written].float(), rtol=ulp, atol=0)
+    k_cache[written] = expected_k[written]
+    assert torch.equal(k_cache, expected_k)
+
+
+@interpreted
+@pytest.mark.parametrize("case", ROPE_CASES)
+@pytest.mark.parametrize("dtype,bound", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("programs_target", [1, 1000])  # one split of every slot; one block a split
+def test_attention_with_rope_and_cache_write_matches_the_model_path(case, dtype, bound, programs_target, monkeypatch):
+    monkeypatch.setattr(decode_attention, "PROGRAMS_TARGET", programs_target)
+    check_rope_and_cache_write(case, dtype, bound)
+
+
+@interpreted
+def test_attention_with_cache_write_rejects_mismatched_inputs():
+    q, new_k, new_v, cos, sin, write_slot, k_cache, v_cache, keep = rope_and_write_case(*ROPE_CASES[0], torch.float32)
+    with pytest.raises(ValueError, match=r"new k \(2, 2, 32\) / v \(2, 2, 16\) do not match 2 rows of 2 KV heads"):
+        decode_attention.decode_attention_with_cache_write(q, new_k, new_v[..., :16], cos, sin, write_slot, k_cache,
+                                                           v_cache, keep)
+    with pytest.raises(ValueError, match=r"cos \(1, 32\) does not match 2 rows of 32"):
+        decode_attention.decode_attention_with_cache_write(q, new_k, new_v, cos[:1], sin[:1], write_slot, k_cache,
+                                                           v_cache, keep)
+
+
 # ---------------------------------------------------------------- GPU
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -78,9 +151,20 @@ def test_gpu_decode_attention_llama_shape(batch, position):
 
 @pytest.mark.gpu
 @needs_cuda
-def test_gpu_model_decode_matches_sdpa(monkeypatch):
-    # A model whose decode steps go through the kernels, against the same model on SDPA, with a
-    # batch of prompts of different lengths (left padding), eagerly and compiled.
+@pytest.mark.parametrize("batch,position", [(1, 0), (1, 767), (4, 600)])
+def test_gpu_attention_with_rope_and_cache_write_llama_shape(batch, position):
+    # Llama-3.1-8B's heads in bf16, the batch smaller than an 8-row cache.
+    check_rope_and_cache_write((batch, 8, 32, 8, 768, 128, position, [0, 5, 300, 0][:batch]), torch.bfloat16,
+                               1e-2, device="cuda")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("fuse_rope_and_cache_write", [False, True])
+def test_gpu_model_decode_matches_sdpa(fuse_rope_and_cache_write, monkeypatch):
+    # A model whose decode steps go through the kernels (with RoPE and the cache write in the
+    # attention kernel or before it), against the same model on SDPA, with a batch of prompts of
+    # different lengths (left padding), eagerly and compiled.
     import generate
     from model import ModelArgs, Transformer
 
@@ -91,6 +175,7 @@ def test_gpu_model_decode_matches_sdpa(monkeypatch):
     with monkeypatch.context() as patch:
         patch.setattr(decode_attention, "supports", lambda head_dim: False)
         reference = generate.generate(model, prompts, 20)
+    monkeypatch.setattr(decode_attention, "FUSE_ROPE_AND_CACHE_WRITE", fuse_rope_and_cache_write)
     for compile in (False, True):
         result = generate.generate(model, prompts, 20, compile=compile)
         assert all(torch.equal(a, b) for a, b in zip(result.sequences, reference.sequences)), compile
