@@ -14,7 +14,7 @@ kernel reads only the cache that is in use. A second kernel merges the splits' p
 
 `decode_attention_with_cache_write` is the same attention taking q and the new token's k and v as
 the qkv projection left them: it rotates q and k by RoPE itself and writes k and v into the cache
-(the program whose split holds the new slot writes it and uses the registers, not a re-read). In
+(the program whose split holds the new slot writes it, then reads it back like any slot). In
 the 2:4 model this replaces ~4 Inductor kernels a layer (RoPE of q and k, the cache writes: 137 µs
 a Llama-3.1-8B step at batch 1, docs/BENCHMARKS.md session 8), which cannot fuse into the SpMV
 custom op; the dense model's GEMV had them fused already. `model.py` uses it when
@@ -102,6 +102,11 @@ def _partial_attention_kernel(q_ptr, k_ptr, v_ptr, keep_ptr, acc_ptr, stats_ptr,
             slot_offsets = kv_base + write_slot * kv_stride_s + dims[None, :]
             tl.store(k_ptr + slot_offsets, new_k.to(k_ptr.dtype.element_ty))
             tl.store(v_ptr + slot_offsets, new_v.to(v_ptr.dtype.element_ty))
+        # The block's threads read the slot below: a CTA barrier orders their loads after these
+        # stores (CUDA's __syncthreads also orders global memory within the block). Substituting
+        # the registers in every block instead grew the loop from 881 to 1274 instructions and the
+        # registers from 199 to 255 (sm_90a, Llama's heads).
+        tl.debug_barrier()
     else:
         q = tl.load(q_ptr + b * q_stride_b + (kv_head * GROUP_SIZE + rows)[:, None] * q_stride_h + dims[None, :],
                     mask=row_ok[:, None], other=0.0)
@@ -114,8 +119,6 @@ def _partial_attention_kernel(q_ptr, k_ptr, v_ptr, keep_ptr, acc_ptr, stats_ptr,
         if tl.max(keep.to(tl.int32), axis=0) > 0:
             offsets = kv_base + slots[:, None] * kv_stride_s + dims[None, :]
             k = tl.load(k_ptr + offsets, mask=keep[:, None], other=0.0)
-            if ROPE_AND_WRITE:  # the new slot from registers: no ordering against the store above
-                k = tl.where((slots == write_slot)[:, None], new_k.to(k.dtype), k)
             scores = _dot(q, tl.trans(k), IEEE, INTERPRETER_SAFE) * scale  # [GROUP, BLOCK] fp32
             scores = tl.where(keep[None, :], scores, float("-inf"))
             new_max = tl.maximum(max_score, tl.max(scores, axis=1))
@@ -123,8 +126,6 @@ def _partial_attention_kernel(q_ptr, k_ptr, v_ptr, keep_ptr, acc_ptr, stats_ptr,
             p = tl.exp(scores - new_max[:, None])
             total = total * rescale + tl.sum(p, axis=1)
             v = tl.load(v_ptr + offsets, mask=keep[:, None], other=0.0)
-            if ROPE_AND_WRITE:
-                v = tl.where((slots == write_slot)[:, None], new_v.to(v.dtype), v)
             acc = acc * rescale[:, None] + _dot(p.to(v.dtype), v, IEEE, INTERPRETER_SAFE)
             max_score = new_max
     n_splits = tl.num_programs(1)

@@ -9,6 +9,8 @@ before spending device time (docs/KERNEL_NOTES.md has the budget: ~17.7 per kept
     python scripts/kernel_sass.py --batch 1 --slices 8 --prefetch 1 --sass_out runs/sass
     python scripts/kernel_sass.py --revision bee681a       # the same configs compiled from an older sparse/kernels.py
                                                            # (of the same kernel signature)
+    python scripts/kernel_sass.py --attention              # decode_attention's partial kernel, with and
+                                                           # without RoPE and the cache write inside
 """
 import argparse
 import importlib.util
@@ -56,6 +58,41 @@ def kernels_module(revision: str = None):
     return module
 
 
+def compile_for_sm90a(kernel, signature: dict, constants: dict, num_warps: int):
+    """(SASS text, registers, spill bytes) of a @triton.jit kernel compiled for sm_90a; signature
+    maps every argument to its type ("constexpr" for those in constants)."""
+    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants),
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    folder = Path(tempfile.mkdtemp())
+    (folder / "k.ptx").write_text(compiled.asm["ptx"])
+    report = subprocess.run([str(TOOLS / "ptxas"), "-arch=sm_90a", "-v", str(folder / "k.ptx"), "-o",
+                             str(folder / "k.cubin")], capture_output=True, text=True, check=True).stderr
+    sass = subprocess.run([str(TOOLS / "cuobjdump"), "-sass", str(folder / "k.cubin")],
+                          capture_output=True, text=True, check=True).stdout
+    return (sass, int(re.search(r"Used (\d+) registers", report).group(1)),
+            int(re.search(r"(\d+) bytes spill stores", report).group(1)))
+
+
+def compile_partial_attention(rope_and_write: bool, group_size: int = 4, head_dim: int = 128) -> dict:
+    """decode_attention's partial kernel for sm_90a (bf16, Llama-3.1-8B's GQA group of 4 by
+    default), with or without RoPE and the cache write: registers, spills, all instructions and
+    the slot loop's."""
+    sys.path.insert(0, str(ROOT))
+    import decode_attention
+    pointers = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", keep_ptr="*i1", acc_ptr="*fp32",
+                    stats_ptr="*fp32", new_k_ptr="*bf16", new_v_ptr="*bf16", cos_ptr="*fp32", sin_ptr="*fp32",
+                    write_slot_ptr="*i64", scale="fp32")
+    constants = dict(GROUP_SIZE=group_size, GROUP=max(16, triton.next_power_of_2(group_size)), HEAD_DIM=head_dim,
+                     BLOCK=decode_attention.BLOCK_SLOTS, ROPE_AND_WRITE=rope_and_write, IEEE=False,
+                     INTERPRETER_SAFE=False)
+    signature = {name: pointers.get(name, "constexpr" if name in constants else "i32")
+                 for name in decode_attention._partial_attention_kernel.arg_names}
+    sass, registers, spill_bytes = compile_for_sm90a(decode_attention._partial_attention_kernel, signature,
+                                                     constants, num_warps=4)
+    return dict(registers=registers, spill_bytes=spill_bytes, instructions=len(SASS_LINE.findall(sass)),
+                loop=len(innermost_loop(sass)))
+
+
 def compile_spmv(kernels, batch: int, slices: int, prefetch: int, nnz_per_word: int = 16,
                  dtype: str = "bf16", even_k: bool = True, variant: str = "plain", packed_x: bool = False) -> dict:
     """Compile the SpMV for sm_90a and count its machine code; one loop trip = one mask word of
@@ -73,20 +110,12 @@ def compile_spmv(kernels, batch: int, slices: int, prefetch: int, nnz_per_word: 
     # The arguments this revision's kernel has (older ones lack the fused operands).
     signature = {name: kind for name, kind in signature.items() if name in kernels._spmv_kernel.arg_names}
     constants = {name: value for name, value in constants.items() if name in signature}
-    compiled = triton.compile(ASTSource(fn=kernels._spmv_kernel, signature=signature, constexprs=constants),
-                              target=GPUTarget("cuda", 90, 32), options={"num_warps": slices})
-    folder = Path(tempfile.mkdtemp())
-    (folder / "k.ptx").write_text(compiled.asm["ptx"])
-    report = subprocess.run([str(TOOLS / "ptxas"), "-arch=sm_90a", "-v", str(folder / "k.ptx"), "-o",
-                             str(folder / "k.cubin")], capture_output=True, text=True, check=True).stderr
-    sass = subprocess.run([str(TOOLS / "cuobjdump"), "-sass", str(folder / "k.cubin")],
-                          capture_output=True, text=True, check=True).stdout
+    sass, registers, spill_bytes = compile_for_sm90a(kernels._spmv_kernel, signature, constants, slices)
     loop = innermost_loop(sass)
     count = lambda ops, *names: sum(op.split(".")[0] in names for op in ops)  # noqa: E731
     loop_ops = [op for op, _ in loop]
     loads = [i for i, op in enumerate(loop_ops) if op == "LDG"]
-    return dict(registers=int(re.search(r"Used (\d+) registers", report).group(1)),
-                spill_bytes=int(re.search(r"(\d+) bytes spill stores", report).group(1)),
+    return dict(registers=registers, spill_bytes=spill_bytes,
                 loop=len(loop) or None, ffma=count(loop_ops, "FFMA"), flo=count(loop_ops, "FLO"),
                 shfl=count(loop_ops, "SHFL"), mufu=count(loop_ops, "MUFU"), loads=len(loads),
                 shared=count(loop_ops, "LDS", "STS", "BAR"),
@@ -104,7 +133,12 @@ def main():
                    help="norm: with the RMSNorm prologue (wqkv, w13); gated: silu(gate) * up and the residual (w2)")
     p.add_argument("--revision", help="compile sparse/kernels.py as of this git revision instead")
     p.add_argument("--sass_out", type=Path, help="write each config's SASS into this folder")
+    p.add_argument("--attention", action="store_true", help="decode_attention's partial kernel instead")
     args = p.parse_args()
+    if args.attention:
+        for rope_and_write in (False, True):
+            print(f"RoPE and cache write {rope_and_write!s:5}:", compile_partial_attention(rope_and_write))
+        return
     kernels = kernels_module(args.revision)
     print(f"{'batch':>5} {'regs':>5} {'spill B':>7} {'loop':>5} {'FFMA':>5} {'FLO':>4} {'SHFL':>4} {'LDG':>4} "
           f"{'LDS/STS/BAR':>11} {'last LDG at':>11} {'per kept weight':>16}")

@@ -40,3 +40,11 @@ def test_packed_x_halves_the_shuffles():
                                           packed_x=packed_x)
         assert report["spill_bytes"] == 0 and report["shared"] == 0, packed_x
         assert report["shfl"] == shuffles and report["ffma"] == 128 and report["flo"] == 16, packed_x
+
+
+def test_rope_and_cache_write_leave_the_attention_loop_alone():
+    # RoPE and the store run once a program, before the slot loop: the loop and the registers must
+    # be the unfused kernel's (substituting the new slot inside the loop once grew it by 45 %).
+    plain, fused = (kernel_sass.compile_partial_attention(rope_and_write) for rope_and_write in (False, True))
+    assert fused["spill_bytes"] == 0 and fused["loop"] == plain["loop"]
+    assert fused["registers"] <= plain["registers"] and fused["instructions"] < 1.15 * plain["instructions"]
