@@ -68,7 +68,7 @@ def _partial_attention_kernel(q_ptr, k_ptr, v_ptr, keep_ptr, acc_ptr, stats_ptr,
                               new_k_ptr, new_v_ptr, cos_ptr, sin_ptr, write_slot_ptr,
                               n_kv_heads, n_slots, slots_per_split, scale,
                               q_stride_b, q_stride_h, kv_stride_b, kv_stride_h, kv_stride_s, keep_stride_b,
-                              new_stride_b, new_stride_h, rope_stride_b,
+                              new_k_stride_b, new_k_stride_h, new_v_stride_b, new_v_stride_h, rope_stride_b,
                               GROUP_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                               BLOCK: tl.constexpr, ROPE_AND_WRITE: tl.constexpr, IEEE: tl.constexpr,
                               INTERPRETER_SAFE: tl.constexpr):
@@ -93,10 +93,10 @@ def _partial_attention_kernel(q_ptr, k_ptr, v_ptr, keep_ptr, acc_ptr, stats_ptr,
         sin = tl.load(sin_ptr + b * rope_stride_b + dims)
         q = _load_rotated(q_ptr + b * q_stride_b, (kv_head * GROUP_SIZE + rows) * q_stride_h, row_ok, cos, sin,
                           HEAD_DIM)
-        new_base = b * new_stride_b + kv_head * new_stride_h
         one_row = tl.arange(0, 1)
-        new_k = _load_rotated(new_k_ptr + new_base, one_row, one_row == 0, cos, sin, HEAD_DIM)  # [1, D]
-        new_v = tl.load(new_v_ptr + new_base + one_row[:, None] + dims[None, :])
+        new_k = _load_rotated(new_k_ptr + b * new_k_stride_b + kv_head * new_k_stride_h, one_row, one_row == 0, cos,
+                              sin, HEAD_DIM)  # [1, D]
+        new_v = tl.load(new_v_ptr + b * new_v_stride_b + kv_head * new_v_stride_h + one_row[:, None] + dims[None, :])
         write_slot = tl.load(write_slot_ptr)
         if (first <= write_slot) & (write_slot < last):  # one program per (row, KV head) writes
             slot_offsets = kv_base + write_slot * kv_stride_s + dims[None, :]
@@ -171,10 +171,11 @@ def _attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, keep: Tensor, new_k=Non
         raise ValueError("decode_attention: k_cache and v_cache must share strides")
     rope_and_write = new_k is not None
     if rope_and_write:
-        if new_k.shape != (batch, n_kv_heads, head_dim) or new_v.shape != new_k.shape or new_k.stride() != new_v.stride():
+        if (new_k.shape != (batch, n_kv_heads, head_dim) or new_v.shape != new_k.shape or new_k.stride(2) != 1
+                or new_v.stride(2) != 1):
             raise ValueError(f"decode_attention: new k {tuple(new_k.shape)} / v {tuple(new_v.shape)} do not match "
                              f"{batch} rows of {n_kv_heads} KV heads of {head_dim}")
-        if cos.shape != (batch, head_dim) or cos.stride() != sin.stride() or cos.stride(1) != 1 or new_k.stride(2) != 1:
+        if cos.shape != (batch, head_dim) or cos.stride() != sin.stride() or cos.stride(1) != 1:
             raise ValueError(f"decode_attention: cos {tuple(cos.shape)} does not match {batch} rows of {head_dim}")
     else:
         new_k = new_v = cos = sin = write_slot = q  # unused pointers: the kernel compiles them out
@@ -187,7 +188,7 @@ def _attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, keep: Tensor, new_k=Non
         q, k_cache, v_cache, keep, acc, stats, new_k, new_v, cos, sin, write_slot,
         n_kv_heads, n_slots, slots_per_split, head_dim ** -0.5,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), keep.stride(0),
-        new_k.stride(0), new_k.stride(1), cos.stride(0),
+        new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1), cos.stride(0),
         GROUP_SIZE=group_size, GROUP=max(16, triton.next_power_of_2(group_size)), HEAD_DIM=head_dim,
         BLOCK=BLOCK_SLOTS, ROPE_AND_WRITE=rope_and_write, IEEE=q.dtype == torch.float32,
         INTERPRETER_SAFE=INTERPRETING)
@@ -218,7 +219,7 @@ def decode_attention_with_cache_write(q: Tensor, new_k: Tensor, new_v: Tensor, c
     """decode_attention for q and the new token's k, v before RoPE and before the cache write.
 
     q [B, H, D] and new_k, new_v [B, H_kv, D] (unit stride along D; views into the qkv output do);
-    cos, sin [B, D] fp32: each row's RoPE angles (rotate-half layout, model.precompute_rope);
+    cos, sin [B, D] (model.rope_cos/rope_sin rows): each row's RoPE angles (rotate-half layout, model.precompute_rope);
     write_slot: a one-element integer tensor, the cache slot of the new token (model: input_pos).
     k_cache, v_cache [B_max >= B, H_kv, S, D] whole buffers: row b < B gets the rotated new k and
     the new v at write_slot; nothing else in them changes. Returns the attention as decode_attention.

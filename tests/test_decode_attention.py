@@ -68,13 +68,17 @@ def rotated(x, cos, sin):
 
 
 def rope_and_write_case(batch, cache_rows, n_heads, n_kv_heads, n_slots, head_dim, position, pads, dtype,
-                        device="cpu"):
-    """Unrotated q and new k, v for `batch` rows; caches of `cache_rows` >= batch rows; each row's
-    RoPE angles at its own position (position - pad, as model.forward gives them)."""
+                        device="cpu", k_apart=False):
+    """Unrotated q and new k, v for `batch` rows, views into one qkv row as Attention.forward makes
+    them (k_apart: k a tensor of its own, as after Qwen3's k_norm); caches of `cache_rows` >= batch
+    rows; each row's RoPE angles at its own position (position - pad, as model.forward gives them)."""
     from model import precompute_rope
     g = torch.Generator().manual_seed(position + 17 * batch)
-    new = [torch.randn(batch, heads, head_dim, generator=g).to(device=device, dtype=dtype)
-           for heads in (n_heads, n_kv_heads, n_kv_heads)]
+    qkv = torch.randn(batch, (n_heads + 2 * n_kv_heads) * head_dim, generator=g).to(device=device, dtype=dtype)
+    new = [part.view(batch, -1, head_dim) for part in qkv.split([n_heads * head_dim, n_kv_heads * head_dim,
+                                                                 n_kv_heads * head_dim], dim=-1)]
+    if k_apart:
+        new[1] = new[1].clone()
     caches = [torch.randn(cache_rows, n_kv_heads, n_slots, head_dim, generator=g).to(device=device, dtype=dtype)
               for _ in range(2)]
     cos, sin = precompute_rope(n_slots, head_dim, 500000.0)
@@ -86,17 +90,18 @@ def rope_and_write_case(batch, cache_rows, n_heads, n_kv_heads, n_slots, head_di
 
 
 # (batch, cache rows, heads, kv heads, slots, head_dim, position, left pads): a batch smaller than
-# the cache, the new slot in a later split with padding in front; the first slot; GQA of 3.
+# the cache, the new slot in a later split with padding in front; the first slot; GQA of 3 (with k
+# a tensor of its own, strided unlike v).
 ROPE_CASES = [(2, 3, 8, 2, 160, 32, 140, [0, 60]), (1, 1, 4, 4, 64, 16, 0, [0]), (2, 2, 9, 3, 50, 16, 33, [0, 2])]
 
 
-def check_rope_and_cache_write(case, dtype, bound, device="cpu"):
+def check_rope_and_cache_write(case, dtype, bound, device="cpu", k_apart=False):
     """decode_attention_with_cache_write against model.apply_rope, the cache written as
     KVCache.update writes it, and float64 attention; every other slot and row of the caches must
     stay as it was."""
     batch, position = case[0], case[6]
     q, new_k, new_v, cos, sin, write_slot, k_cache, v_cache, keep = rope_and_write_case(*case, dtype=dtype,
-                                                                                        device=device)
+                                                                                        device=device, k_apart=k_apart)
     expected_k, expected_v = k_cache.clone(), v_cache.clone()
     expected_k[:batch, :, position] = rotated(new_k, cos, sin)
     expected_v[:batch, :, position] = new_v
@@ -115,12 +120,13 @@ def check_rope_and_cache_write(case, dtype, bound, device="cpu"):
 
 
 @interpreted
-@pytest.mark.parametrize("case", ROPE_CASES)
+@pytest.mark.parametrize("case,k_apart", [(case, case == ROPE_CASES[-1]) for case in ROPE_CASES])
 @pytest.mark.parametrize("dtype,bound", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("programs_target", [1, 1000])  # one split of every slot; one block a split
-def test_attention_with_rope_and_cache_write_matches_the_model_path(case, dtype, bound, programs_target, monkeypatch):
+def test_attention_with_rope_and_cache_write_matches_the_model_path(case, k_apart, dtype, bound, programs_target,
+                                                                    monkeypatch):
     monkeypatch.setattr(decode_attention, "PROGRAMS_TARGET", programs_target)
-    check_rope_and_cache_write(case, dtype, bound)
+    check_rope_and_cache_write(case, dtype, bound, k_apart=k_apart)
 
 
 @interpreted
@@ -161,7 +167,8 @@ def test_gpu_attention_with_rope_and_cache_write_llama_shape(batch, position):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("fuse_rope_and_cache_write", [False, True])
-def test_gpu_model_decode_matches_sdpa(fuse_rope_and_cache_write, monkeypatch):
+@pytest.mark.parametrize("qk_norm", [False, True])  # Llama; Qwen3 (k normed apart: strided unlike v)
+def test_gpu_model_decode_matches_sdpa(fuse_rope_and_cache_write, qk_norm, monkeypatch):
     # A model whose decode steps go through the kernels (with RoPE and the cache write in the
     # attention kernel or before it), against the same model on SDPA, with a batch of prompts of
     # different lengths (left padding), eagerly and compiled.
@@ -170,7 +177,7 @@ def test_gpu_model_decode_matches_sdpa(fuse_rope_and_cache_write, monkeypatch):
 
     torch.manual_seed(0)
     model = Transformer(ModelArgs(block_size=128, vocab_size=64, n_layer=2, n_head=8, n_local_heads=2, dim=512,
-                                  intermediate_size=256)).cuda().eval()
+                                  intermediate_size=256, qk_norm=qk_norm)).cuda().eval()
     prompts = [torch.randint(0, 64, (n,)) for n in (5, 17)]
     with monkeypatch.context() as patch:
         patch.setattr(decode_attention, "supports", lambda head_dim: False)
