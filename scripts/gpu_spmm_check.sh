@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # One device call for the tensor-core SpMM (sparse/spmm.py): its GPU tests, timings on the
 # Llama-3.1-8B shapes at batch 4/8/16 and a 2048-token prefill against kernels.spmv, the
-# prefill's expand + cuBLAS and cuBLAS bf16 F.linear, and the registers/spills of every compiled
-# SpMM variant. Details go to $OUT (the device tool's output folder) or ./runs/gpu_spmm:
-# check.log, pytest.log, spmm_bench.json, spmm_*.sass; the table is printed last. Stages: tests
-# bench (default both); the whole call takes ~3-4 min, mostly compiling and autotuning.
+# prefill's expand + cuBLAS and cuBLAS bf16 F.linear, for 2:4 both expansions (gather; nibble:
+# spmm.EXPAND_2OF4_BY_NIBBLE), and the registers/spills of every compiled SpMM variant. Details go
+# to $OUT (the device tool's output folder) or ./runs/gpu_spmm: check.log, pytest.log,
+# spmm_bench.json, spmm_*.sass; the table is printed last. Stages: tests bench (default both); the
+# whole call takes ~3-4 min, mostly compiling and autotuning. (Session 14 fixed the bench's imports,
+# helpers bench_kernel.py no longer has, without a GPU to run it on.)
 #   bash scripts/gpu_spmm_check.sh [tests] [bench]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -30,7 +32,7 @@ python3 - "$OUT" <<'PY'
 import json, sys, torch
 import torch.nn.functional as F
 sys.path.insert(0, "scripts")
-from bench_kernel import copies_for, random_weight, time_per_call
+from bench_kernel import random_weight
 from sparse import kernels, spmm
 from sparse.format import pack
 
@@ -39,25 +41,34 @@ SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 rows = []
 for out_features, in_features in SHAPES:
     weight = random_weight(out_features, in_features)
-    dense_copies = [weight] + [weight.clone() for _ in range(copies_for(weight.numel() * 2) - 1)]
+    dense_copies = [weight] + [weight.clone() for _ in range(kernels.copies_for(weight.numel() * 2) - 1)]
     for pattern in ("2:4", "16:32"):
         values, mask = pack(weight, pattern)
         packed = [(values, mask)] + [(values.clone(), mask.clone())
-                                     for _ in range(copies_for(values.numel() * 2 + mask.numel() * 4) - 1)]
+                                     for _ in range(kernels.copies_for(values.numel() * 2 + mask.numel() * 4) - 1)]
         for batch in (4, 8, 16, 2048):
             if pattern == "16:32" and batch != 16:  # the gathers' L1 locality depends on the pattern
                 continue
             x = torch.randn(batch, in_features, device="cuda", dtype=torch.bfloat16)
             row = dict(out=out_features, inp=in_features, pattern=pattern, batch=batch,
                        config=spmm.spmm_config(x, values, mask))
-            row["spmm_us"] = time_per_call([lambda v=v, m=m: spmm.spmm(x, v, m) for v, m in packed])
+            row["spmm_us"] = kernels.time_in_cuda_graph([lambda v=v, m=m: spmm.spmm(x, v, m) for v, m in packed])
+            if pattern == "2:4":  # the nibble expansion (spmm.EXPAND_2OF4_BY_NIBBLE), checked, then timed
+                spmm.EXPAND_2OF4_BY_NIBBLE = True
+                reference = x.double() @ kernels.unpack_to_dense(values, mask).double().T
+                error = float((spmm.spmm(x, values, mask, two_of_four=True).double() - reference).norm() / reference.norm())
+                assert error < 1e-2, f"nibble SpMM wrong on {out_features}x{in_features} b{batch}: {error:.2e}"
+                row["nibble_config"] = spmm.spmm_config(x, values, mask, two_of_four=True)
+                row["spmm_nibble_us"] = kernels.time_in_cuda_graph(
+                    [lambda v=v, m=m: spmm.spmm(x, v, m, two_of_four=True) for v, m in packed])
+                spmm.EXPAND_2OF4_BY_NIBBLE = False
             if batch <= kernels.MAX_SPMV_BATCH:
-                row["spmv_us"] = time_per_call([lambda v=v, m=m: kernels.spmv(x, v, m) for v, m in packed])
+                row["spmv_us"] = kernels.time_in_cuda_graph([lambda v=v, m=m: kernels.spmv(x, v, m) for v, m in packed])
             else:
-                row["expand_cublas_us"] = time_per_call(
+                row["expand_cublas_us"] = kernels.time_in_cuda_graph(
                     [lambda v=v, m=m: F.linear(x, kernels.unpack_to_dense(v, m)) for v, m in packed])
             if pattern == "2:4":
-                row["dense_us"] = time_per_call([lambda w=w: F.linear(x, w) for w in dense_copies])
+                row["dense_us"] = kernels.time_in_cuda_graph([lambda w=w: F.linear(x, w) for w in dense_copies])
             print(row, flush=True)
             rows.append(row)
             json.dump(rows, open(f"{out_dir}/spmm_bench.json", "w"), indent=1)
@@ -76,12 +87,13 @@ for cache in spmm._spmm_kernel.device_caches.values():
             print("    no sass:", e)
 
 dense = {(r["out"], r["inp"], r["batch"]): r["dense_us"] for r in rows if "dense_us" in r}
-print("\n| out×in | pattern | batch | SpMM µs | config | SpMV µs | expand+cuBLAS µs | cuBLAS µs | SpMM speedup | SpMV (b<=16) or expand+cuBLAS speedup |")
-print("|---|---|---|---|---|---|---|---|---|---|")
+print("\n| out×in | pattern | batch | SpMM µs | config | 2:4 nibble SpMM µs | SpMV µs | expand+cuBLAS µs | cuBLAS µs | SpMM speedup | nibble SpMM speedup | SpMV (b<=16) or expand+cuBLAS speedup |")
+print("|---|---|---|---|---|---|---|---|---|---|---|---|")
 for r in rows:
     d = dense[(r["out"], r["inp"], r["batch"])]
     other = r.get("spmv_us") or r.get("expand_cublas_us")
+    nibble = r.get("spmm_nibble_us", float("nan"))
     print(f"| {r['out']}×{r['inp']} | {r['pattern']} | {r['batch']} | {r['spmm_us']:.1f} | {r['config']} | "
-          f"{r.get('spmv_us', float('nan')):.1f} | {r.get('expand_cublas_us', float('nan')):.1f} | {d:.1f} | "
-          f"{d / r['spmm_us']:.2f}× | {d / other:.2f}× |")
+          f"{nibble:.1f} | {r.get('spmv_us', float('nan')):.1f} | {r.get('expand_cublas_us', float('nan')):.1f} | "
+          f"{d:.1f} | {d / r['spmm_us']:.2f}× | {d / nibble:.2f}× | {d / other:.2f}× |")
 PY

@@ -29,10 +29,10 @@ TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 SASS_LINE = re.compile(r"\s+/\*([0-9a-f]{4})\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_]+)")
 
 
-def innermost_loop(sass: str):
+def innermost_loop(sass: str, marker: str = "SHFL"):
     """(opcode, line) of the word loop's instructions, in program order: the shortest span from a
-    backward branch's target to the branch that shuffles x (the fused variant's sum-of-squares
-    loop has no shuffle)."""
+    backward branch's target to the branch that holds a `marker` instruction (SHFL: the SpMV's
+    loop shuffles x, the fused variant's sum-of-squares loop does not; HGMMA: the SpMM's K loop, wgmma on sm_90)."""
     lines = [(int(m.group(1), 16), m.group(3), line) for line in sass.splitlines() if (m := SASS_LINE.match(line))]
     offsets = {address: i for i, (address, _, _) in enumerate(lines)}
     loops = []
@@ -40,7 +40,7 @@ def innermost_loop(sass: str):
         target = re.search(r"BRA\s.*?0x([0-9a-f]+)", line) if opcode == "BRA" else None
         if target and int(target.group(1), 16) < address and int(target.group(1), 16) in offsets:
             loops.append(lines[offsets[int(target.group(1), 16)]:i + 1])
-    loops = [loop for loop in loops if any(op.startswith("SHFL") for _, op, _ in loop)]
+    loops = [loop for loop in loops if any(op.startswith(marker) for _, op, _ in loop)]
     return [(op, text) for _, op, text in min(loops, key=len)] if loops else []
 
 
@@ -58,10 +58,13 @@ def kernels_module(revision: str = None):
     return module
 
 
-def compile_for_sm90a(kernel, signature: dict, constants: dict, num_warps: int):
+def compile_for_sm90a(kernel, signature: dict, constants: dict, num_warps: int, divisible_by_16=()):
     """(SASS text, registers, spill bytes) of a @triton.jit kernel compiled for sm_90a; signature
-    maps every argument to its type ("constexpr" for those in constants)."""
-    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants),
+    maps every argument to its type ("constexpr" for those in constants); divisible_by_16: the
+    arguments the JIT would specialize as multiples of 16 at run time (aligned pointers, shapes
+    like 4096), which lets the compiler vectorize loads as it does on the GPU."""
+    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in divisible_by_16}
+    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
     folder = Path(tempfile.mkdtemp())
     (folder / "k.ptx").write_text(compiled.asm["ptx"])
@@ -91,6 +94,27 @@ def compile_partial_attention(rope_and_write: bool, group_size: int = 4, head_di
                                                      constants, num_warps=4)
     return dict(registers=registers, spill_bytes=spill_bytes, instructions=len(SASS_LINE.findall(sass)),
                 loop=len(innermost_loop(sass)))
+
+
+def compile_spmm(two_of_four: bool, block_out: int = 128, words: int = 2, num_warps: int = 4) -> dict:
+    """sparse/spmm.py's kernel for sm_90a at a decode batch (one 16-token tile, bf16, 16 kept a
+    word), expanding by gather or, two_of_four, by nibble: registers, spills, the K loop's
+    instructions and those per kept weight (the loop walks `words` mask words of block_out rows)."""
+    sys.path.insert(0, str(ROOT))
+    from sparse import spmm
+    pointers = dict(x_ptr="*bf16", values_ptr="*bf16", mask_ptr="*i32", y_ptr="*bf16", workspace_ptr="*fp32",
+                    arrivals_ptr="*i32")
+    constants = dict(NNZ=16, CHUNK=8, BLOCK_OUT=block_out, BLOCK_TOKENS=spmm.MMA_TOKENS, WORDS=words,
+                     TWO_OF_FOUR=two_of_four, INTERPRETER_SAFE=False)
+    signature = {name: pointers.get(name, "constexpr" if name in constants else "i32")
+                 for name in spmm._spmm_kernel.arg_names}
+    sass, registers, spill_bytes = compile_for_sm90a(spmm._spmm_kernel, signature, constants, num_warps,
+                                                     divisible_by_16=[*pointers, "n_rows", "n_words"])
+    loop = [op.split(".")[0] for op, _ in innermost_loop(sass, marker="HGMMA")]
+    kept_per_thread = words * 16 * block_out / (32 * num_warps)
+    mix = {op: loop.count(op) for op in sorted(set(loop), key=loop.count, reverse=True)}
+    return dict(registers=registers, spill_bytes=spill_bytes, loop=len(loop),
+                per_kept_weight=len(loop) / kept_per_thread, mix=mix, sass=sass)
 
 
 def compile_spmv(kernels, batch: int, slices: int, prefetch: int, nnz_per_word: int = 16,

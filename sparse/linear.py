@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from sparse import kernels, spmm
-from sparse.format import pack, packed_shapes, unpack
+from sparse.format import pack, packed_shapes, parse_pattern, unpack
 
 # Where the tensor-core SpMM takes over: the SpMV's FMAs and shuffles grow with the rows of x, the
 # SpMM's expansion does not. Measured on the H200 on the four Llama-3.1-8B shapes, 2:4
@@ -47,21 +47,23 @@ RESIDUAL_APART_MIN_ROWS = 8
 
 @torch.library.custom_op("sparse_decoding::bitmask_matmul", mutates_args=())
 def _bitmask_matmul(x: Tensor, values: Tensor, mask: Tensor, norm_weight: Optional[Tensor] = None,
-                    norm_eps: float = 0.0, residual: Optional[Tensor] = None, gated: bool = False) -> Tensor:
+                    norm_eps: float = 0.0, residual: Optional[Tensor] = None, gated: bool = False,
+                    two_of_four: bool = False) -> Tensor:
     rows = x.shape[0]
     if norm_weight is not None or residual is not None or gated:  # the fused prologue/epilogue: SpMV only
         return kernels.spmv(x, values, mask, norm_weight=norm_weight, norm_eps=norm_eps, residual=residual,
                             gated=gated)
     if rows <= kernels.MAX_SPMV_BATCH:
-        return kernels.spmv(x, values, mask) if rows < SPMM_MIN_ROWS else spmm.spmm(x, values, mask)
+        return kernels.spmv(x, values, mask) if rows < SPMM_MIN_ROWS else spmm.spmm(x, values, mask,
+                                                                                    two_of_four=two_of_four)
     if SPMM_PREFILL:
-        return spmm.spmm(x, values, mask)
+        return spmm.spmm(x, values, mask, two_of_four=two_of_four)
     return F.linear(x, kernels.unpack_to_dense(values, mask).to(x.dtype))
 
 
 @_bitmask_matmul.register_fake
 def _(x: Tensor, values: Tensor, mask: Tensor, norm_weight: Optional[Tensor] = None, norm_eps: float = 0.0,
-      residual: Optional[Tensor] = None, gated: bool = False) -> Tensor:
+      residual: Optional[Tensor] = None, gated: bool = False, two_of_four: bool = False) -> Tensor:
     return x.new_empty(x.shape[0], mask.shape[1])
 
 
@@ -77,8 +79,9 @@ def _as_rows(x: Tensor) -> Tensor:
 
 
 def sparse_matmul(x: Tensor, values: Tensor, mask: Tensor, norm_weight: Tensor = None, norm_eps: float = 0.0,
-                  residual: Tensor = None, gated: bool = False) -> Tensor:
-    """x @ W.T for x of shape (..., in), W given packed as (values, mask).
+                  residual: Tensor = None, gated: bool = False, two_of_four: bool = False) -> Tensor:
+    """x @ W.T for x of shape (..., in), W given packed as (values, mask); two_of_four: W is 2:4,
+    which the SpMM may exploit (spmm.spmm says how; the mask alone does not say it).
 
     With norm_weight / gated / residual: residual + prologue(x) @ W.T in one SpMV launch, the
     prologue being RMSNorm(x) * norm_weight or, for x = [gate | up], silu(gate) * up
@@ -92,7 +95,7 @@ def sparse_matmul(x: Tensor, values: Tensor, mask: Tensor, norm_weight: Tensor =
     if x.is_cuda and not torch.compiler.is_compiling():
         kernels.reserve_workspace(x.device, mask.shape[1])  # eager calls (e.g. the prefill) run first
     y = _bitmask_matmul(_as_rows(x), values, mask, norm_weight, norm_eps,
-                        None if residual is None else _as_rows(residual), gated)
+                        None if residual is None else _as_rows(residual), gated, two_of_four)
     return y.reshape(*x.shape[:-1], mask.shape[1])
 
 
@@ -134,7 +137,7 @@ class SparseLinear(nn.Module):
         if _without_kernels(x) and norm is None and residual is None and not gated:
             return F.linear(x, self._unpacked_for_cpu().to(x.dtype))
         return sparse_matmul(x, self.values, self.mask, None if norm is None else norm.weight,
-                             0.0 if norm is None else norm.eps, residual, gated)
+                             0.0 if norm is None else norm.eps, residual, gated, parse_pattern(self.pattern) == (2, 4))
 
     def _unpacked_for_cpu(self) -> Tensor:
         """The CPU has no sparse kernel (it is the correctness path: calibration, evaluation), and

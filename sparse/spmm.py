@@ -25,6 +25,13 @@ L1 wavefronts (one per distinct rank among a warp's rows) are the other limit, l
 (ranks of a column differ by at most 2) than for 16:32. Prefill redoes the expansion for every
 64-token tile (128 spill), ~30x per weight at 2048 tokens: slower than expanding once + cuBLAS.
 
+For 2:4 the expansion needs no gather: every nibble keeps two columns, whose values are one
+32-bit pair of the word's kept values, so a row's values come in 16-byte loads and each nibble's
+column pairs (0, 1) and (2, 3) are that pair shifted and masked by the nibble's bits
+(`_expand_tile_2of4`). Compiled the same way (with the run-time alignment the JIT specializes):
+539 loop instructions against 863 for the gather, 16.8 per kept weight against 27.0, i.e. under
+the 17.7 the bytes allow; not yet timed on the GPU (EXPAND_2OF4_BY_NIBBLE).
+
 Where the grid would be too small to fill the GPU, K is split over programs; their fp32
 partial sums meet in the workspace that `kernels.spmv` also uses (`_store_or_reduce`).
 `INTERPRETER_SAFE` (a constexpr) swaps libdevice popc for the SWAR `kernels._popcount`, so the
@@ -40,6 +47,10 @@ from sparse import kernels
 from sparse.kernels import INTERPRETING, _popcount, _store_or_reduce
 
 MMA_TOKENS = 16  # the smallest token tile: the MMA's N
+# 2:4 weights expand by nibble (`_expand_tile_2of4`) rather than by gather. Off until timed on the
+# GPU: statically (sm_90a, kernel_sass.compile_spmm) the K loop is 539 instructions against 863,
+# 16.8 per kept weight against 27.0 (docs/KERNEL_NOTES.md, session 14).
+EXPAND_2OF4_BY_NIBBLE = False
 
 
 @triton.jit
@@ -101,19 +112,54 @@ def _expand_tile(values_ptr, words, k, rows, n_rows, NNZ: tl.constexpr, CHUNK: t
 
 
 @triton.jit
-def _multiply_step(acc, tile, x_ptr, tokens, token_ok, k, k_end, n_words, WORDS: tl.constexpr):
+def _expand_tile_2of4(values_ptr, words, k, rows, n_rows, CHUNK: tl.constexpr, WORDS: tl.constexpr):
+    """`_expand_tile` for a 2:4 weight, without a gather: nibble j of a word keeps exactly two
+    columns, whose values a, b are the word's kept values 2j and 2j + 1, one 32-bit pair ab. Of
+    the nibble's column pairs, (0, 1) is ab, (a, 0), (0, a) or 0 and (2, 3) is 0, (b, 0), (0, b) or
+    ab: a shift and a mask of ab each, both read off the nibble's bits."""
+    R: tl.constexpr = rows.shape[0]
+    pairs = tl.arange(0, 8)
+    slot_offsets = (((k + tl.arange(0, WORDS)) * (16 // CHUNK) * n_rows)[None, :] + rows[:, None]) * (CHUNK // 2)
+    offsets = slot_offsets[:, :, None] + ((pairs // (CHUNK // 2)) * (n_rows * CHUNK // 2) + pairs % (CHUNK // 2))[None, None, :]
+    # Words past the last row or past K are zero (`_load_words`), and a 2:4 word never is.
+    ab = tl.load(values_ptr.to(tl.pointer_type(tl.uint32)) + offsets, mask=(words != 0)[:, :, None], other=0)
+    nibbles = (words[:, :, None] >> (4 * pairs)[None, None, :]) & 0xF  # [R, WORDS, 8]
+    low_mask = (nibbles & 1) * 0xFFFF | (nibbles & 2) * 0x7FFF8000
+    high_mask = ((nibbles >> 2) & 1) * 0xFFFF | ((nibbles >> 3) & 1) * 0xFFFF0000
+    low = (ab << (((nibbles & 3) == 2).to(tl.uint32) * 16)) & low_mask
+    high = (ab >> (((nibbles & 12) == 4).to(tl.uint32) * 16)) & high_mask
+    columns = tl.reshape(tl.join(low, high), (R, 16 * WORDS))  # bf16 pairs in column order
+    tile = tl.join((columns & 0xFFFF).to(tl.uint16), (columns >> 16).to(tl.uint16))
+    return tl.reshape(tile, (R, 32 * WORDS)).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _expand(values_ptr, words, k, rows, n_rows, NNZ: tl.constexpr, CHUNK: tl.constexpr, WORDS: tl.constexpr,
+            TWO_OF_FOUR: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
+    if TWO_OF_FOUR:
+        tile = _expand_tile_2of4(values_ptr, words, k, rows, n_rows, CHUNK, WORDS)
+    else:
+        tile = _expand_tile(values_ptr, words, k, rows, n_rows, NNZ, CHUNK, WORDS, INTERPRETER_SAFE)
+    return tile
+
+
+@triton.jit
+def _multiply_step(acc, tile, x_ptr, tokens, token_ok, k, k_end, n_words, WORDS: tl.constexpr,
+                   INTERPRETER_SAFE: tl.constexpr):
     """acc += tile @ x[tokens, 32k : 32(k + WORDS)].T (x read as W's dtype; zero past k_end)."""
     columns = k * 32 + tl.arange(0, 32 * WORDS)
     x_tile = tl.load(x_ptr + tokens[None, :] * (n_words * 32) + columns[:, None],
-                     mask=token_ok[None, :] & (columns < k_end * 32)[:, None], other=0.0)
-    return tl.dot(tile, x_tile.to(tile.dtype), acc)
+                     mask=token_ok[None, :] & (columns < k_end * 32)[:, None], other=0.0).to(tile.dtype)
+    if INTERPRETER_SAFE:  # the interpreter multiplies bf16 tiles as raw bits: upcast there
+        tile, x_tile = tile.to(tl.float32), x_tile.to(tl.float32)
+    return tl.dot(tile, x_tile, acc)
 
 
 @triton.jit
 def _spmm_kernel(x_ptr, values_ptr, mask_ptr, y_ptr, workspace_ptr, arrivals_ptr,
                  n_rows, n_tokens, n_words, words_per_split,
                  NNZ: tl.constexpr, CHUNK: tl.constexpr, BLOCK_OUT: tl.constexpr, BLOCK_TOKENS: tl.constexpr, WORDS: tl.constexpr,
-                 INTERPRETER_SAFE: tl.constexpr):
+                 TWO_OF_FOUR: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
     """y[tokens, rows] = x[tokens] @ W[rows].T, x (n_tokens, 32 * n_words) and y row-major.
     Grid: (row blocks, token blocks, K splits)."""
     row_block = tl.program_id(0)
@@ -126,18 +172,18 @@ def _spmm_kernel(x_ptr, values_ptr, mask_ptr, y_ptr, workspace_ptr, arrivals_ptr
 
     # Software pipeline: the tile multiplied now was gathered one step ago, from words loaded
     # two steps ago. The last step is peeled off so that no program expands a tile past its end.
-    tile = _expand_tile(values_ptr, _load_words(mask_ptr, k_begin, k_end, rows, row_ok, n_rows, WORDS),
-                        k_begin, rows, n_rows, NNZ, CHUNK, WORDS, INTERPRETER_SAFE)
+    tile = _expand(values_ptr, _load_words(mask_ptr, k_begin, k_end, rows, row_ok, n_rows, WORDS),
+                   k_begin, rows, n_rows, NNZ, CHUNK, WORDS, TWO_OF_FOUR, INTERPRETER_SAFE)
     next_words = _load_words(mask_ptr, k_begin + WORDS, k_end, rows, row_ok, n_rows, WORDS)
     acc = tl.zeros([BLOCK_OUT, BLOCK_TOKENS], dtype=tl.float32)
     k_last = k_begin + (k_end - k_begin - 1) // WORDS * WORDS
     for k in range(k_begin, k_last, WORDS):
-        next_tile = _expand_tile(values_ptr, next_words, k + WORDS, rows, n_rows, NNZ, CHUNK, WORDS,
-                                 INTERPRETER_SAFE)
+        next_tile = _expand(values_ptr, next_words, k + WORDS, rows, n_rows, NNZ, CHUNK, WORDS, TWO_OF_FOUR,
+                            INTERPRETER_SAFE)
         next_words = _load_words(mask_ptr, k + 2 * WORDS, k_end, rows, row_ok, n_rows, WORDS)
-        acc = _multiply_step(acc, tile, x_ptr, tokens, token_ok, k, k_end, n_words, WORDS)
+        acc = _multiply_step(acc, tile, x_ptr, tokens, token_ok, k, k_end, n_words, WORDS, INTERPRETER_SAFE)
         tile = next_tile
-    acc = _multiply_step(acc, tile, x_ptr, tokens, token_ok, k_last, k_end, n_words, WORDS)
+    acc = _multiply_step(acc, tile, x_ptr, tokens, token_ok, k_last, k_end, n_words, WORDS, INTERPRETER_SAFE)
 
     offsets = tokens[None, :] * n_rows + rows[:, None]
     _store_or_reduce(acc, y_ptr, workspace_ptr, arrivals_ptr, row_block, offsets, row_ok[:, None] & token_ok[None, :],
@@ -175,13 +221,13 @@ def candidate_configs(n_rows: int, n_words: int, n_tokens: int):
 _tuned_configs = {}
 
 
-def spmm_config(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor):
-    """The fastest candidate for this (out, in, token count), timed once with do_bench (which
-    clears the L2 before every run) and remembered; the kernels.spmv_config pattern."""
+def spmm_config(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, two_of_four: bool = False):
+    """The fastest candidate for this (out, in, token count, expansion), timed once with do_bench
+    (which clears the L2 before every run) and remembered; the kernels.spmv_config pattern."""
     n_words, n_rows = mask.shape
     n_tokens = x.shape[0]
     key = (n_rows, n_words, n_tokens if n_tokens <= MMA_TOKENS else triton.next_power_of_2(n_tokens),
-           values.dtype, x.device)
+           values.dtype, x.device, two_of_four)
     if key not in _tuned_configs:
         configs = candidate_configs(n_rows, n_words, n_tokens)
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -189,24 +235,32 @@ def spmm_config(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor):
         if len(configs) == 1:
             _tuned_configs[key] = configs[0]
         else:
-            timings = [do_bench(lambda c=c: spmm(x, values, mask, config=c), warmup=5, rep=25, return_mode="median")
-                       for c in configs]
+            timings = [do_bench(lambda c=c: spmm(x, values, mask, config=c, two_of_four=two_of_four), warmup=5,
+                                rep=25, return_mode="median") for c in configs]
             _tuned_configs[key] = configs[timings.index(min(timings))]
     return _tuned_configs[key]
 
 
-def spmm(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, config=None, out=None) -> torch.Tensor:
+def spmm(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, config=None, out=None,
+         two_of_four: bool = False) -> torch.Tensor:
     """y = x @ W.T for x of shape (tokens, in), W given as (values, mask); y in x's dtype.
 
     x is multiplied in W's dtype (bf16 for a model). config: (BLOCK_OUT, BLOCK_TOKENS, WORDS,
     warps, split) instead of the tuned choice; out: optional (tokens, out_features) buffer.
+    two_of_four: W is 2:4 (the caller knows its pattern; the mask alone does not say): with
+    EXPAND_2OF4_BY_NIBBLE on, tiles expand by nibble (`_expand_tile_2of4`) instead of by gather; a
+    16-a-word mask that is not 2:4 then gives a wrong product, not an error. Needs bf16/fp16 W.
     """
     n_tokens, in_features = x.shape
     n_words, n_rows = mask.shape
     if in_features != n_words * 32:
         raise ValueError(f"spmm: x {tuple(x.shape)} does not fit a packed weight with in_features={n_words * 32}")
     nnz = values.shape[0] * values.shape[2] // n_words
-    block_out, block_tokens, words, warps, split = config or spmm_config(x, values, mask)
+    two_of_four = two_of_four and EXPAND_2OF4_BY_NIBBLE
+    if two_of_four and (nnz != 16 or values.element_size() != 2):
+        raise ValueError(f"spmm: a 2:4 weight keeps 16 two-byte values a word, this one {nnz} of "
+                         f"{values.element_size()} bytes")
+    block_out, block_tokens, words, warps, split = config or spmm_config(x, values, mask, two_of_four)
     if n_tokens > MMA_TOKENS:
         split = 1  # the workspace holds at most 16 token rows; prefill has programs enough anyway
     words_per_split = triton.cdiv(triton.cdiv(n_words, split), words) * words
@@ -217,5 +271,5 @@ def spmm(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, config=None,
     grid = (row_blocks, triton.cdiv(n_tokens, block_tokens), split)
     _spmm_kernel[grid](x, values, mask, y, workspace, arrivals, n_rows, n_tokens, n_words, words_per_split,
                        NNZ=nnz, CHUNK=values.shape[2], BLOCK_OUT=block_out, BLOCK_TOKENS=block_tokens, WORDS=words,
-                       INTERPRETER_SAFE=INTERPRETING, num_warps=warps)
+                       TWO_OF_FOUR=two_of_four, INTERPRETER_SAFE=INTERPRETING, num_warps=warps)
     return y

@@ -48,3 +48,11 @@ def test_rope_and_cache_write_leave_the_attention_loop_alone():
     plain, fused = (kernel_sass.compile_partial_attention(rope_and_write) for rope_and_write in (False, True))
     assert fused["spill_bytes"] == 0 and fused["loop"] == plain["loop"]
     assert fused["registers"] <= plain["registers"] and fused["instructions"] < 1.15 * plain["instructions"]
+
+
+def test_2of4_nibble_expansion_fits_the_issue_budget():
+    # The SpMM's K loop at a decode batch: the gather expansion is over the ~17.7 instructions per
+    # kept weight that the H200 can issue at full bandwidth; the 2:4 nibble one must stay under it.
+    gather, nibble = (kernel_sass.compile_spmm(two_of_four) for two_of_four in (False, True))
+    assert nibble["spill_bytes"] == 0 and nibble["per_kept_weight"] < 17.7 < gather["per_kept_weight"]
+    assert nibble["mix"]["HGMMA"] == gather["mix"]["HGMMA"]  # the same MMAs

@@ -46,14 +46,34 @@ def test_sparse_linear_dispatch_to_spmm(monkeypatch):
     from sparse import SparseLinear, linear
     monkeypatch.setattr(linear, "SPMM_MIN_ROWS", 8)  # the switches as they would be once measured
     monkeypatch.setattr(linear, "SPMM_PREFILL", True)
-    calls = []
-    monkeypatch.setattr(spmm, "spmm", lambda *args, _spmm=spmm.spmm: calls.append(1) or _spmm(*args))
-    layer = SparseLinear.from_dense(torch.randn(24, 64), "8:16")
-    dense = unpack(layer.values, layer.mask).double()
-    for rows in [1, 8, 16, 40]:  # spmv, then spmm for a batch, a full MMA tile and a prefill
-        x = torch.randn(rows, 64)
-        assert relative_error(layer(x), x.double() @ dense.T) < 1e-6
-    assert len(calls) == 3
+    calls = []  # whether each SpMM call was told that W is 2:4
+    monkeypatch.setattr(spmm, "spmm", lambda *args, _spmm=spmm.spmm, **kwargs:
+                        calls.append(kwargs["two_of_four"]) or _spmm(*args, **kwargs))
+    for pattern in ("8:16", "2:4"):
+        calls.clear()
+        layer = SparseLinear.from_dense(torch.randn(24, 64), pattern)
+        dense = unpack(layer.values, layer.mask).double()
+        for rows in [1, 8, 16, 40]:  # spmv, then spmm for a batch, a full MMA tile and a prefill
+            x = torch.randn(rows, 64)
+            assert relative_error(layer(x), x.double() @ dense.T) < 1e-6
+        assert calls == [pattern == "2:4"] * 3
+
+
+@interpreted
+@pytest.mark.parametrize("tokens", [4, 40])
+def test_spmm_2of4_nibble_expansion_matches_float64(tokens, monkeypatch):
+    # bf16 (the expansion moves 32-bit pairs of values); 40 rows, 3 words split 2 + 1, as above.
+    monkeypatch.setattr(spmm, "EXPAND_2OF4_BY_NIBBLE", True)
+    seed = case_seed("2:4 nibble", tokens)
+    values, mask = random_packed(40, 96, "2:4", seed, dtype=torch.bfloat16)
+    reference_weight = unpack(values, mask).double()
+    for config in [(32, 16, 1, 1, 1), (32, 16, 2, 1, 2)]:
+        x = torch.randn(tokens, 96, generator=torch.Generator().manual_seed(seed + config[2])).bfloat16()
+        out = torch.full((tokens, 40), float("nan"), dtype=torch.bfloat16)
+        y = spmm.spmm(x, values, mask, config=config, out=out, two_of_four=True)
+        assert relative_error(y, x.double() @ reference_weight.T) < 1e-2, config  # y rounded to bf16
+    with pytest.raises(ValueError, match="a 2:4 weight keeps 16 two-byte values a word, this one 16 of 4 bytes"):
+        spmm.spmm(x.float(), values.float(), mask, two_of_four=True)
 
 
 # ---------------------------------------------------------------- GPU
@@ -64,7 +84,9 @@ LLAMA_8B_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("out_features,in_features", LLAMA_8B_SHAPES)
-def test_spmm_llama_shapes_bf16(out_features, in_features):
+@pytest.mark.parametrize("by_nibble", [False, True])  # the gather expansion; the 2:4 one
+def test_spmm_llama_shapes_bf16(out_features, in_features, by_nibble, monkeypatch):
+    monkeypatch.setattr(spmm, "EXPAND_2OF4_BY_NIBBLE", by_nibble)
     values, mask = random_packed(out_features, in_features, "2:4", 0, device="cuda", dtype=torch.bfloat16)
     reference_weight = unpack(values, mask).double()
     for tokens in (4, 8, 16, 2048):
@@ -73,7 +95,7 @@ def test_spmm_llama_shapes_bf16(out_features, in_features):
         for config in configs.values():
             x = torch.randn(tokens, in_features, device="cuda", dtype=torch.bfloat16)
             out = torch.full((tokens, out_features), float("nan"), device="cuda", dtype=torch.bfloat16)
-            y = spmm.spmm(x, values, mask, config=config, out=out)
+            y = spmm.spmm(x, values, mask, config=config, out=out, two_of_four=True)
             assert relative_error(y, x.double() @ reference_weight.T) < 1e-2, (tokens, config)
 
 
