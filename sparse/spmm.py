@@ -27,10 +27,11 @@ L1 wavefronts (one per distinct rank among a warp's rows) are the other limit, l
 
 For 2:4 the expansion needs no gather: every nibble keeps two columns, whose values are one
 32-bit pair of the word's kept values, so a row's values come in 16-byte loads and each nibble's
-column pairs (0, 1) and (2, 3) are that pair shifted and masked by the nibble's bits
+column pairs (0, 1) and (2, 3) are that pair byte-permuted by the nibble's bits, one `prmt` each
 (`_expand_tile_2of4`). Compiled the same way (with the run-time alignment the JIT specializes):
-539 loop instructions against 863 for the gather, 16.8 per kept weight against 27.0, i.e. under
-the 17.7 the bytes allow; not yet timed on the GPU (EXPAND_2OF4_BY_NIBBLE).
+280 loop instructions against 863 for the gather, 8.75 per kept weight against 27.0 (27 for the
+gather is over the 17.7 the bytes allow; 8.75 is well under it); not yet timed on the GPU
+(EXPAND_2OF4_BY_NIBBLE).
 
 Where the grid would be too small to fill the GPU, K is split over programs; their fp32
 partial sums meet in the workspace that `kernels.spmv` also uses (`_store_or_reduce`).
@@ -48,8 +49,8 @@ from sparse.kernels import INTERPRETING, _popcount, _store_or_reduce
 
 MMA_TOKENS = 16  # the smallest token tile: the MMA's N
 # 2:4 weights expand by nibble (`_expand_tile_2of4`) rather than by gather. Off until timed on the
-# GPU: statically (sm_90a, kernel_sass.compile_spmm) the K loop is 539 instructions against 863,
-# 16.8 per kept weight against 27.0 (docs/KERNEL_NOTES.md, session 14).
+# GPU: statically (sm_90a, kernel_sass.compile_spmm) the K loop is 280 instructions against 863,
+# 8.75 per kept weight against 27.0 (docs/KERNEL_NOTES.md, session 14).
 EXPAND_2OF4_BY_NIBBLE = False
 
 
@@ -111,12 +112,28 @@ def _expand_tile(values_ptr, words, k, rows, n_rows, NNZ: tl.constexpr, CHUNK: t
     return tl.reshape(tile, (rows.shape[0], 32 * WORDS))
 
 
+# prmt selectors for a nibble's column pairs, 16 bits each, indexed by two of its bits: bytes 0-3
+# are the value pair ab, 4-7 zero. Pair (0, 1) by bits 0-1: 00 -> 0, 01 -> (a, 0), 10 -> (0, a),
+# 11 -> ab; pair (2, 3) by bits 2-3: 00 -> 0, 01 -> (b, 0), 10 -> (0, b), 11 -> ab.
+LOW_PAIR_SELECTORS = tl.constexpr(0x3210_1044_4410_4444)
+HIGH_PAIR_SELECTORS = tl.constexpr(0x3210_3244_4432_4444)
+
+
 @triton.jit
-def _expand_tile_2of4(values_ptr, words, k, rows, n_rows, CHUNK: tl.constexpr, WORDS: tl.constexpr):
+def _permute_bytes(pair, selector):
+    """prmt.b32 pair, 0, selector: four bytes picked from pair (0-3) and zero (4-7)."""
+    return tl.inline_asm_elementwise("prmt.b32 $0, $1, 0, $2;", "=r,r,r", [pair, selector], dtype=tl.uint32,
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
+def _expand_tile_2of4(values_ptr, words, k, rows, n_rows, CHUNK: tl.constexpr, WORDS: tl.constexpr,
+                      INTERPRETER_SAFE: tl.constexpr):
     """`_expand_tile` for a 2:4 weight, without a gather: nibble j of a word keeps exactly two
     columns, whose values a, b are the word's kept values 2j and 2j + 1, one 32-bit pair ab. Of
     the nibble's column pairs, (0, 1) is ab, (a, 0), (0, a) or 0 and (2, 3) is 0, (b, 0), (0, b) or
-    ab: a shift and a mask of ab each, both read off the nibble's bits."""
+    ab, read off the nibble's bits: one byte permute each on the GPU (selectors above), a shift and
+    a mask each under the interpreter (no inline PTX there)."""
     R: tl.constexpr = rows.shape[0]
     pairs = tl.arange(0, 8)
     slot_offsets = (((k + tl.arange(0, WORDS)) * (16 // CHUNK) * n_rows)[None, :] + rows[:, None]) * (CHUNK // 2)
@@ -124,20 +141,26 @@ def _expand_tile_2of4(values_ptr, words, k, rows, n_rows, CHUNK: tl.constexpr, W
     # Words past the last row or past K are zero (`_load_words`), and a 2:4 word never is.
     ab = tl.load(values_ptr.to(tl.pointer_type(tl.uint32)) + offsets, mask=(words != 0)[:, :, None], other=0)
     nibbles = (words[:, :, None] >> (4 * pairs)[None, None, :]) & 0xF  # [R, WORDS, 8]
-    low_mask = (nibbles & 1) * 0xFFFF | (nibbles & 2) * 0x7FFF8000
-    high_mask = ((nibbles >> 2) & 1) * 0xFFFF | ((nibbles >> 3) & 1) * 0xFFFF0000
-    low = (ab << (((nibbles & 3) == 2).to(tl.uint32) * 16)) & low_mask
-    high = (ab >> (((nibbles & 12) == 4).to(tl.uint32) * 16)) & high_mask
-    columns = tl.reshape(tl.join(low, high), (R, 16 * WORDS))  # bf16 pairs in column order
+    if INTERPRETER_SAFE:
+        low_mask = (nibbles & 1) * 0xFFFF | (nibbles & 2) * 0x7FFF8000
+        high_mask = ((nibbles >> 2) & 1) * 0xFFFF | ((nibbles >> 3) & 1) * 0xFFFF0000
+        low = (ab << (((nibbles & 3) == 2).to(tl.uint32) * 16)) & low_mask
+        high = (ab >> (((nibbles & 12) == 4).to(tl.uint32) * 16)) & high_mask
+    else:
+        low_selectors = tl.full(nibbles.shape, LOW_PAIR_SELECTORS, tl.uint64)
+        high_selectors = tl.full(nibbles.shape, HIGH_PAIR_SELECTORS, tl.uint64)
+        low = _permute_bytes(ab, (low_selectors >> ((nibbles & 3) * 16).to(tl.uint64)).to(tl.uint32))
+        high = _permute_bytes(ab, (high_selectors >> ((nibbles >> 2) * 16).to(tl.uint64)).to(tl.uint32))
+    columns = tl.reshape(tl.join(low, high), (R, 16 * WORDS))  # value pairs in column order
     tile = tl.join((columns & 0xFFFF).to(tl.uint16), (columns >> 16).to(tl.uint16))
-    return tl.reshape(tile, (R, 32 * WORDS)).to(tl.bfloat16, bitcast=True)
+    return tl.reshape(tile, (R, 32 * WORDS)).to(values_ptr.dtype.element_ty, bitcast=True)
 
 
 @triton.jit
 def _expand(values_ptr, words, k, rows, n_rows, NNZ: tl.constexpr, CHUNK: tl.constexpr, WORDS: tl.constexpr,
             TWO_OF_FOUR: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
     if TWO_OF_FOUR:
-        tile = _expand_tile_2of4(values_ptr, words, k, rows, n_rows, CHUNK, WORDS)
+        tile = _expand_tile_2of4(values_ptr, words, k, rows, n_rows, CHUNK, WORDS, INTERPRETER_SAFE)
     else:
         tile = _expand_tile(values_ptr, words, k, rows, n_rows, NNZ, CHUNK, WORDS, INTERPRETER_SAFE)
     return tile

@@ -59,6 +59,25 @@ def test_sparse_linear_dispatch_to_spmm(monkeypatch):
         assert calls == [pattern == "2:4"] * 3
 
 
+def permute_bytes(pair: int, selector: int) -> int:
+    """PTX prmt.b32 pair, 0, selector (default mode): output byte i is byte selector[4i:4i+4] of
+    the eight bytes pair (0-3), zero (4-7)."""
+    source = pair.to_bytes(4, "little") + bytes(4)
+    return int.from_bytes(bytes(source[(selector >> 4 * i) & 7] for i in range(4)), "little")
+
+
+def test_prmt_selectors_expand_every_2of4_nibble():
+    # The GPU's byte permutes against the columns a 2:4 nibble means (the interpreter cannot run
+    # inline PTX, so this is where the selector tables are checked): a, b the pair's halves.
+    a, b = 0x1A2B, 0x3C4D
+    for nibble in (0b0011, 0b0101, 0b0110, 0b1001, 0b1010, 0b1100):
+        kept = [column for column in range(4) if nibble >> column & 1]
+        columns = [{kept[0]: a, kept[1]: b}.get(column, 0) for column in range(4)]
+        low = permute_bytes(a | b << 16, spmm.LOW_PAIR_SELECTORS.value >> 16 * (nibble & 3) & 0xFFFF)
+        high = permute_bytes(a | b << 16, spmm.HIGH_PAIR_SELECTORS.value >> 16 * (nibble >> 2) & 0xFFFF)
+        assert (low, high) == (columns[0] | columns[1] << 16, columns[2] | columns[3] << 16), bin(nibble)
+
+
 @interpreted
 @pytest.mark.parametrize("tokens", [4, 40])
 def test_spmm_2of4_nibble_expansion_matches_float64(tokens, monkeypatch):
