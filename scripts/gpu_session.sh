@@ -24,6 +24,8 @@
 #   kernel_sweep_batches  the sweep at batch 4, 8 and 16 on the four Llama-3.1-8B shapes (~2)
 #   sparse_gpu_tests  pytest -m gpu over the sparse/ modules' tests only (~2)
 #   decode_gpu_tests  pytest -m gpu over the SpMV, SparseLinear, decode attention and generate tests (~3)
+#   session14_gpu_tests  only the GPU tests written in session 14 without a GPU: the SpMM's 2:4
+#                   nibble expansion, RoPE and the KV write inside the decode attention (~2)
 #   kernel_ncu      Nsight Compute (full set, SASS source page with stall samples) of the tuned batch-1
 #                   SpMV on 4096x4096, 28672x4096 and 4096x14336 (~2)
 #   spmm            gpu_spmm_check.sh bench: tensor-core SpMM vs SpMV vs cuBLAS (~3)
@@ -76,6 +78,7 @@ declare -A JOBS=(
   [kernel_sweep_b1]="python3 scripts/bench_kernel.py --sweep --sweep-shapes all --sweep-batches 1 --out-json \$JOB/sweep.json --out-md \$JOB/sweep.md"
   [kernel_sweep_batches]="python3 scripts/bench_kernel.py --sweep --sweep-shapes 6144x4096,4096x4096,28672x4096,4096x14336 --sweep-batches 4,8,16 --out-json \$JOB/sweep.json --out-md \$JOB/sweep.md"
   [sparse_gpu_tests]="python3 -m pytest -v -m gpu tests/test_sparse_kernels.py tests/test_sparse_linear.py tests/test_sparse_spmm.py"
+  [session14_gpu_tests]="python3 -m pytest -v -m gpu tests/test_sparse_spmm.py tests/test_decode_attention.py -k 'llama_shapes_bf16 or rope_and_cache_write or model_decode_matches_sdpa'"
   [decode_gpu_tests]="python3 -m pytest -v -m gpu tests/test_sparse_kernels.py tests/test_sparse_linear.py tests/test_decode_attention.py tests/test_generate.py"
   [kernel_ncu]="ncu --clock-control none --nvtx --nvtx-include 'spmv/' --set full --import-source yes -o \$JOB/spmv python3 scripts/bench_kernel.py --ncu-shapes 4096x4096,28672x4096,4096x14336 --out-json \$JOB/targets.json && ncu -i \$JOB/spmv.ncu-rep --page details --csv > \$JOB/details.csv && ncu -i \$JOB/spmv.ncu-rep --page source --print-source sass --csv > \$JOB/source_sass.csv"
   [spmm]="env OUT=\$JOB bash scripts/gpu_spmm_check.sh bench"
