@@ -271,18 +271,17 @@ def spmm(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, config=None,
     x is multiplied in W's dtype (bf16 for a model). config: (BLOCK_OUT, BLOCK_TOKENS, WORDS,
     warps, split) instead of the tuned choice; out: optional (tokens, out_features) buffer.
     two_of_four: W is 2:4 (the caller knows its pattern; the mask alone does not say): with
-    EXPAND_2OF4_BY_NIBBLE on, tiles expand by nibble (`_expand_tile_2of4`) instead of by gather; a
-    16-a-word mask that is not 2:4 then gives a wrong product, not an error. Needs bf16/fp16 W.
+    EXPAND_2OF4_BY_NIBBLE on and W in bf16/fp16, tiles expand by nibble (`_expand_tile_2of4`)
+    instead of by gather; a 16-a-word mask that is not 2:4 then gives a wrong product, not an error.
     """
     n_tokens, in_features = x.shape
     n_words, n_rows = mask.shape
     if in_features != n_words * 32:
         raise ValueError(f"spmm: x {tuple(x.shape)} does not fit a packed weight with in_features={n_words * 32}")
     nnz = values.shape[0] * values.shape[2] // n_words
-    two_of_four = two_of_four and EXPAND_2OF4_BY_NIBBLE
-    if two_of_four and (nnz != 16 or values.element_size() != 2):
-        raise ValueError(f"spmm: a 2:4 weight keeps 16 two-byte values a word, this one {nnz} of "
-                         f"{values.element_size()} bytes")
+    if two_of_four and nnz != 16:
+        raise ValueError(f"spmm: a 2:4 weight keeps 16 values a word, this one {nnz}")
+    two_of_four = two_of_four and EXPAND_2OF4_BY_NIBBLE and values.element_size() == 2  # it moves 16-bit pairs
     block_out, block_tokens, words, warps, split = config or spmm_config(x, values, mask, two_of_four)
     if n_tokens > MMA_TOKENS:
         split = 1  # the workspace holds at most 16 token rows; prefill has programs enough anyway

@@ -91,8 +91,12 @@ def test_spmm_2of4_nibble_expansion_matches_float64(tokens, monkeypatch):
         out = torch.full((tokens, 40), float("nan"), dtype=torch.bfloat16)
         y = spmm.spmm(x, values, mask, config=config, out=out, two_of_four=True)
         assert relative_error(y, x.double() @ reference_weight.T) < 1e-2, config  # y rounded to bf16
-    with pytest.raises(ValueError, match="a 2:4 weight keeps 16 two-byte values a word, this one 16 of 4 bytes"):
-        spmm.spmm(x.float(), values.float(), mask, two_of_four=True)
+    # fp32 W: the gather expansion (the nibble one moves 16-bit pairs); a weight not 16 a word: refused.
+    y = spmm.spmm(x.float(), values.float(), mask, two_of_four=True)
+    assert relative_error(y, x.double() @ reference_weight.T) < 1e-6
+    values_1of4, mask_1of4 = random_packed(40, 96, "1:4", seed)
+    with pytest.raises(ValueError, match="a 2:4 weight keeps 16 values a word, this one 8"):
+        spmm.spmm(x.float(), values_1of4, mask_1of4, two_of_four=True)
 
 
 # ---------------------------------------------------------------- GPU
