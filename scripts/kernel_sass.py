@@ -96,15 +96,17 @@ def compile_partial_attention(rope_and_write: bool, group_size: int = 4, head_di
                 loop=len(innermost_loop(sass)))
 
 
-def compile_spmm(two_of_four: bool, block_out: int = 128, words: int = 2, num_warps: int = 4) -> dict:
-    """sparse/spmm.py's kernel for sm_90a at a decode batch (one 16-token tile, bf16, 16 kept a
-    word), expanding by gather or, two_of_four, by nibble: registers, spills, the K loop's
-    instructions and those per kept weight (the loop walks `words` mask words of block_out rows)."""
+def compile_spmm(two_of_four: bool, block_out: int = 128, words: int = 2, num_warps: int = 4,
+                 block_tokens: int = 16) -> dict:
+    """sparse/spmm.py's kernel for sm_90a (bf16, 16 kept a word; one 16-token tile = a decode
+    batch, 64 = the prefill's tile), expanding by gather or, two_of_four, by nibble: registers,
+    spills, the K loop's instructions and those per kept weight (the loop walks `words` mask words
+    of block_out rows)."""
     sys.path.insert(0, str(ROOT))
     from sparse import spmm
     pointers = dict(x_ptr="*bf16", values_ptr="*bf16", mask_ptr="*i32", y_ptr="*bf16", workspace_ptr="*fp32",
                     arrivals_ptr="*i32")
-    constants = dict(NNZ=16, CHUNK=8, BLOCK_OUT=block_out, BLOCK_TOKENS=spmm.MMA_TOKENS, WORDS=words,
+    constants = dict(NNZ=16, CHUNK=8, BLOCK_OUT=block_out, BLOCK_TOKENS=block_tokens, WORDS=words,
                      TWO_OF_FOUR=two_of_four, INTERPRETER_SAFE=False)
     signature = {name: pointers.get(name, "constexpr" if name in constants else "i32")
                  for name in spmm._spmm_kernel.arg_names}
