@@ -45,6 +45,8 @@
 #                   the attention kernel (decode_attention.FUSE_ROPE_AND_CACHE_WRITE) (~5)
 #   decode_rope_ab_b48  the same at batch 4 and 8 (~5 warm; cold, one call holds 3 of its 4 processes)
 #   decode_rope_ab_dense  the same for our dense model at batch 1 (its GEMVs had RoPE fused already) (~5)
+#   decode_spmm_ab_b8  Llama-3.1-8B 2:4 at batch 8: this tree against the tensor-core SpMM from 8 rows
+#                   with the 2:4 nibble expansion on (SPMM_MIN_ROWS = 8, EXPAND_2OF4_BY_NIBBLE) (~5)
 #   decode_qwen3    Qwen3-8B and -14B, dense and 2:4, batch 1 (~9); Qwen3-32B is a job of its own:
 #   decode_qwen3_32b
 #   prune_8b        bench_prune.py: SparseGPT 2:4, 262,144 decode tokens on Llama-3.1-8B (~7.5)
@@ -90,6 +92,7 @@ declare -A JOBS=(
   [decode_rope_ab_b1]="OUT=\$JOB bash scripts/decode_ab.sh 'decode_attention.py:s/^FUSE_ROPE_AND_CACHE_WRITE = False/FUSE_ROPE_AND_CACHE_WRITE = True/' 1 1 -- --models Llama-3.1-8B --patterns 2:4"
   [decode_rope_ab_b48]="OUT=\$JOB bash scripts/decode_ab.sh 'decode_attention.py:s/^FUSE_ROPE_AND_CACHE_WRITE = False/FUSE_ROPE_AND_CACHE_WRITE = True/' 1 4,8 -- --models Llama-3.1-8B --patterns 2:4"
   [decode_rope_ab_dense]="OUT=\$JOB bash scripts/decode_ab.sh 'decode_attention.py:s/^FUSE_ROPE_AND_CACHE_WRITE = False/FUSE_ROPE_AND_CACHE_WRITE = True/' 1 1 -- --models Llama-3.1-8B --patterns dense"
+  [decode_spmm_ab_b8]="OUT=\$JOB bash scripts/decode_ab.sh 'sparse/linear.py:s/^SPMM_MIN_ROWS = 9/SPMM_MIN_ROWS = 8/;sparse/spmm.py:s/^EXPAND_2OF4_BY_NIBBLE = False/EXPAND_2OF4_BY_NIBBLE = True/' 1 8 -- --models Llama-3.1-8B --patterns 2:4"
   [decode_prologue_ab_b23]="OUT=\$JOB bash scripts/decode_ab.sh 'sparse/linear.py:s/^PROLOGUE_APART_MIN_ROWS = 4/PROLOGUE_APART_MIN_ROWS = 2/' 1 2,3 -- --models Llama-3.1-8B --patterns 2:4"
   [decode_batches]="$DECODE --models Llama-3.1-8B --patterns dense,2:4 --batch_sizes 4,8 --deadline_s 500 --out \$JOB"
   [decode_qwen3]="$DECODE --models Qwen3-8B,Qwen3-14B --patterns dense,2:4 --batch_sizes 1 --out \$JOB"
