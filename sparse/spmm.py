@@ -17,8 +17,9 @@ MMA's shared memory in 16-byte stores. Mask words are loaded two K steps ahead a
 expanded tile one step ahead of its MMA: a program waits on memory once, not once per step.
 
 Cost (SASS of the loop, Triton 3.6, sm_90, BLOCK_OUT 128, WORDS 2): 698 instructions per
-thread per 64 dense columns, 10.9 per dense weight = 21.8 per kept weight at 50 %, whatever the
-batch: popcount + mask, compare, 3 for the address, the load, zero-fill and pairing, 1/8 of a
+thread per 64 dense columns when first written, 10.9 per dense weight = 21.8 per kept weight at
+50 %, whatever the batch (recounted in session 14 on today's chunked values layout with
+`scripts/kernel_sass.py`'s `compile_spmm`: 863, 27.0 per kept weight): popcount + mask, compare, 3 for the address, the load, zero-fill and pairing, 1/8 of a
 16-byte shared store; the MMAs are 8 instructions. That is above the 17.7 the H200 can issue
 per kept weight at full bandwidth, so the best case is ~80 % of the bytes floor; the gathers'
 L1 wavefronts (one per distinct rank among a warp's rows) are the other limit, lower for 2:4
