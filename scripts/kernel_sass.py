@@ -58,11 +58,13 @@ def kernels_module(revision: str = None):
     return module
 
 
-def compile_for_sm90a(kernel, signature: dict, constants: dict, num_warps: int, divisible_by_16=()):
-    """(SASS text, registers, spill bytes) of a @triton.jit kernel compiled for sm_90a; signature
-    maps every argument to its type ("constexpr" for those in constants); divisible_by_16: the
-    arguments the JIT would specialize as multiples of 16 at run time (aligned pointers, shapes
-    like 4096), which lets the compiler vectorize loads as it does on the GPU."""
+def compile_for_sm90a(kernel, types: dict, constants: dict, num_warps: int, divisible_by_16=()):
+    """(SASS text, registers, spill bytes) of a @triton.jit kernel compiled for sm_90a; types: the
+    Triton type of each argument that is not an i32 ("*bf16", "fp32", ...), constants: the
+    constexpr arguments' values; divisible_by_16: the arguments the JIT would specialize as
+    multiples of 16 at run time (aligned pointers, shapes like 4096), which lets the compiler
+    vectorize loads as it does on the GPU."""
+    signature = {name: "constexpr" if name in constants else types.get(name, "i32") for name in kernel.arg_names}
     attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in divisible_by_16}
     compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
@@ -82,16 +84,14 @@ def compile_partial_attention(rope_and_write: bool, group_size: int = 4, head_di
     the slot loop's."""
     sys.path.insert(0, str(ROOT))
     import decode_attention
-    pointers = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", keep_ptr="*i1", acc_ptr="*fp32",
-                    stats_ptr="*fp32", new_k_ptr="*bf16", new_v_ptr="*bf16", cos_ptr="*fp32", sin_ptr="*fp32",
-                    write_slot_ptr="*i64", scale="fp32")
+    types = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", keep_ptr="*i1", acc_ptr="*fp32", stats_ptr="*fp32",
+                 new_k_ptr="*bf16", new_v_ptr="*bf16", cos_ptr="*fp32", sin_ptr="*fp32", write_slot_ptr="*i64",
+                 scale="fp32")
     constants = dict(GROUP_SIZE=group_size, GROUP=max(16, triton.next_power_of_2(group_size)), HEAD_DIM=head_dim,
                      BLOCK=decode_attention.BLOCK_SLOTS, ROPE_AND_WRITE=rope_and_write, IEEE=False,
                      INTERPRETER_SAFE=False)
-    signature = {name: pointers.get(name, "constexpr" if name in constants else "i32")
-                 for name in decode_attention._partial_attention_kernel.arg_names}
-    sass, registers, spill_bytes = compile_for_sm90a(decode_attention._partial_attention_kernel, signature,
-                                                     constants, num_warps=4)
+    sass, registers, spill_bytes = compile_for_sm90a(decode_attention._partial_attention_kernel, types, constants,
+                                                     num_warps=4)
     return dict(registers=registers, spill_bytes=spill_bytes, instructions=len(SASS_LINE.findall(sass)),
                 loop=len(innermost_loop(sass)))
 
@@ -108,9 +108,7 @@ def compile_spmm(two_of_four: bool, block_out: int = 128, words: int = 2, num_wa
                     arrivals_ptr="*i32")
     constants = dict(NNZ=16, CHUNK=8, BLOCK_OUT=block_out, BLOCK_TOKENS=block_tokens, WORDS=words,
                      TWO_OF_FOUR=two_of_four, INTERPRETER_SAFE=False)
-    signature = {name: pointers.get(name, "constexpr" if name in constants else "i32")
-                 for name in spmm._spmm_kernel.arg_names}
-    sass, registers, spill_bytes = compile_for_sm90a(spmm._spmm_kernel, signature, constants, num_warps,
+    sass, registers, spill_bytes = compile_for_sm90a(spmm._spmm_kernel, pointers, constants, num_warps,
                                                      divisible_by_16=[*pointers, "n_rows", "n_words"])
     loop = [op.split(".")[0] for op, _ in innermost_loop(sass, marker="HGMMA")]
     kept_per_thread = words * 16 * block_out / (32 * num_warps)
@@ -125,18 +123,15 @@ def compile_spmv(kernels, batch: int, slices: int, prefetch: int, nnz_per_word: 
     one row per thread, so per kept weight = loop instructions / nnz_per_word. variant: "plain",
     "norm" (the RMSNorm prologue: what wqkv and w13 run in a decode step) or "gated" (silu(gate) *
     up and the residual: w2); packed_x: two rows of x to a register (bf16 pairs, kernels.packs_x)."""
-    signature = {"x_ptr": f"*{dtype}", "values_ptr": f"*{dtype}", "mask_ptr": "*i32", "y_ptr": f"*{dtype}",
-                 "workspace_ptr": "*fp32", "arrivals_ptr": "*i32", "norm_ptr": f"*{dtype}",
-                 "residual_ptr": f"*{dtype}", "n_rows": "i32", "n_words": "i32", "words_per_warp": "i32",
-                 "batch_rows": "i32", "x_stride": "i32", "in_features": "i32", "norm_eps": "fp32"}
+    types = {"x_ptr": f"*{dtype}", "values_ptr": f"*{dtype}", "mask_ptr": "*i32", "y_ptr": f"*{dtype}",
+             "workspace_ptr": "*fp32", "arrivals_ptr": "*i32", "norm_ptr": f"*{dtype}", "residual_ptr": f"*{dtype}",
+             "norm_eps": "fp32"}
     constants = dict(NNZ=nnz_per_word, CHUNK=min(8, nnz_per_word), BATCH=batch, SLICES=slices, PREFETCH=prefetch,
                      EVEN_K=even_k, NORM=variant == "norm", RESIDUAL=variant == "gated",
                      GATED=variant == "gated", PACKED_X=packed_x, INTERPRETER_SAFE=False)
-    signature.update({name: "constexpr" for name in constants})
-    # The arguments this revision's kernel has (older ones lack the fused operands).
-    signature = {name: kind for name, kind in signature.items() if name in kernels._spmv_kernel.arg_names}
-    constants = {name: value for name, value in constants.items() if name in signature}
-    sass, registers, spill_bytes = compile_for_sm90a(kernels._spmv_kernel, signature, constants, slices)
+    # The constants this revision's kernel has (older ones lack the fused operands).
+    constants = {name: value for name, value in constants.items() if name in kernels._spmv_kernel.arg_names}
+    sass, registers, spill_bytes = compile_for_sm90a(kernels._spmv_kernel, types, constants, slices)
     loop = innermost_loop(sass)
     count = lambda ops, *names: sum(op.split(".")[0] in names for op in ops)  # noqa: E731
     loop_ops = [op for op, _ in loop]
