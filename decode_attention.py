@@ -9,8 +9,12 @@ Flash-decoding: the cache slots are split over programs, grid (batch x KV heads,
 program takes the query heads that share its KV head (GQA) as the rows of one tile, padded to 16
 for `tl.dot`, and walks its slots in blocks: scores = q·K^T, an online softmax, acc += p·V. Blocks
 whose slots are all masked (past the current position, or left padding) are skipped, so the
-kernel reads only the cache that is in use. A second kernel merges the splits' partial results
-(each split's max score, sum of exponentials and weighted values).
+kernel reads only the cache that is in use. The splits' partial results (each split's max score,
+sum of exponentials and weighted values) are merged by a second kernel, or, with
+MERGE_IN_LAST_SPLIT, by whichever program of a (row, KV head) finishes last: each counts its
+arrival on an atomic counter after storing its partials, as the SpMV's split-K epilogue does
+(sparse/kernels.py). That saves a launch a layer: the merge kernel was 2.4 µs of very little work
+(74-78 µs of a Llama-3.1-8B step, docs/BENCHMARKS.md session 5).
 
 `decode_attention_with_cache_write` is the same attention taking q and the new token's k and v as
 the qkv projection left them: it rotates q and k by RoPE itself and writes k and v into the cache
@@ -36,6 +40,7 @@ PROGRAMS_TARGET = 264  # two programs per SM of an H200 (132 SMs)
 BLOCK_SLOTS = 32
 # Off until measured end to end on the GPU (decode_ab.sh; predicted in docs/KERNEL_NOTES.md, session 14).
 FUSE_ROPE_AND_CACHE_WRITE = False
+MERGE_IN_LAST_SPLIT = False
 
 
 @triton.jit
@@ -64,20 +69,23 @@ def _load_rotated(ptr, row_offsets, row_ok, cos, sin, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
-def _partial_attention_kernel(q_ptr, k_ptr, v_ptr, keep_ptr, acc_ptr, stats_ptr,
+def _partial_attention_kernel(q_ptr, k_ptr, v_ptr, keep_ptr, acc_ptr, stats_ptr, out_ptr, arrivals_ptr,
                               new_k_ptr, new_v_ptr, cos_ptr, sin_ptr, write_slot_ptr,
                               n_kv_heads, n_slots, slots_per_split, scale,
                               q_stride_b, q_stride_h, kv_stride_b, kv_stride_h, kv_stride_s, keep_stride_b,
                               new_k_stride_b, new_k_stride_h, new_v_stride_b, new_v_stride_h, rope_stride_b,
                               GROUP_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                              BLOCK: tl.constexpr, ROPE_AND_WRITE: tl.constexpr, IEEE: tl.constexpr,
-                              INTERPRETER_SAFE: tl.constexpr):
+                              BLOCK: tl.constexpr, ROPE_AND_WRITE: tl.constexpr, MERGE: tl.constexpr,
+                              MERGE_HEADS: tl.constexpr, SPLITS: tl.constexpr, MERGE_CHUNK: tl.constexpr,
+                              IEEE: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
     """Partial attention of the GROUP_SIZE query heads of one KV head over one split of the slots.
 
     Writes acc (unnormalised sum of p·V, fp32) and stats (max score, sum of exp) per query head and
     split; a split with no kept slot leaves max = -inf, sum = 0, acc = 0. With ROPE_AND_WRITE, q
     and the new k (new_k_ptr, new_v_ptr: [B, H_kv, D]) arrive unrotated, are rotated with this
-    row's cos/sin, and the split that holds slot *write_slot_ptr stores the new k and v there."""
+    row's cos/sin, and the split that holds slot *write_slot_ptr stores the new k and v there.
+    With MERGE, the last of the row's and KV head's programs to finish merges the splits into out
+    (arrivals_ptr: one zeroed int32 per row and KV head, left zeroed)."""
     batch_head = tl.program_id(0)
     split = tl.program_id(1)
     b = batch_head // n_kv_heads
@@ -133,24 +141,70 @@ def _partial_attention_kernel(q_ptr, k_ptr, v_ptr, keep_ptr, acc_ptr, stats_ptr,
     tl.store(acc_ptr + (heads * n_splits + split)[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_ok[:, None])
     tl.store(stats_ptr + (heads * n_splits + split) * 2, max_score, mask=row_ok)
     tl.store(stats_ptr + (heads * n_splits + split) * 2 + 1, total, mask=row_ok)
+    if MERGE:
+        tl.debug_barrier()  # every thread's partials are stored before the arrival is counted
+        arrived = tl.atomic_add(arrivals_ptr + batch_head, 1, sem="acq_rel")
+        if arrived == n_splits - 1:  # the others' partials are visible after this acquire
+            _merge_heads(acc_ptr, stats_ptr, out_ptr, b * (n_kv_heads * GROUP_SIZE) + kv_head * GROUP_SIZE,
+                         GROUP_SIZE, n_splits, MERGE_HEADS, SPLITS, MERGE_CHUNK, HEAD_DIM)
+            tl.atomic_xchg(arrivals_ptr + batch_head, 0)
 
 
 @triton.jit
-def _merge_splits_kernel(acc_ptr, stats_ptr, out_ptr, n_splits,
-                         SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """out[head] = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s over the splits s of one head."""
-    head = tl.program_id(0)
+def _merge_heads(acc_ptr, stats_ptr, out_ptr, first_head, n_heads, n_splits, HEADS: tl.constexpr,
+                 SPLITS: tl.constexpr, CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """out[h] = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s over the splits s, for the n_heads
+    heads first_head, first_head + 1, ... The splits' values come CHUNK at a time, every load
+    issued before any store (a one-program merge waits on one L2 round trip, not one per head);
+    the loads bypass L1 (.cg): in the fused merge other SMs wrote these lines during this kernel."""
+    heads = first_head + tl.arange(0, HEADS)
+    head_ok = tl.arange(0, HEADS) < n_heads
     splits = tl.arange(0, SPLITS)
-    split_ok = splits < n_splits
+    stats_offsets = (heads[:, None] * n_splits + splits[None, :]) * 2
+    ok = head_ok[:, None] & (splits < n_splits)[None, :]
+    max_scores = tl.load(stats_ptr + stats_offsets, mask=ok, other=float("-inf"), cache_modifier=".cg")
+    totals = tl.load(stats_ptr + stats_offsets + 1, mask=ok, other=0.0, cache_modifier=".cg")
+    overall = tl.max(max_scores, axis=1)
+    denominator = tl.sum(tl.where(max_scores > float("-inf"), totals * tl.exp(max_scores - overall[:, None]), 0.0),
+                         axis=1)
     dims = tl.arange(0, HEAD_DIM)
-    max_scores = tl.load(stats_ptr + (head * n_splits + splits) * 2, mask=split_ok, other=float("-inf"))
-    totals = tl.load(stats_ptr + (head * n_splits + splits) * 2 + 1, mask=split_ok, other=0.0)
-    overall = tl.max(max_scores, axis=0)
-    weights = tl.where(split_ok & (max_scores > float("-inf")), tl.exp(max_scores - overall), 0.0)
-    acc = tl.load(acc_ptr + (head * n_splits + splits)[:, None] * HEAD_DIM + dims[None, :],
-                  mask=split_ok[:, None], other=0.0)
-    out = tl.sum(acc * weights[:, None], axis=0) / tl.sum(totals * weights, axis=0)
-    tl.store(out_ptr + head * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty))
+    out = tl.zeros([HEADS, HEAD_DIM], tl.float32)
+    for c in tl.static_range(SPLITS // CHUNK):
+        chunk = c * CHUNK + tl.arange(0, CHUNK)
+        rows = heads[:, None] * n_splits + chunk[None, :]  # [HEADS, CHUNK]
+        chunk_ok = head_ok[:, None] & (chunk < n_splits)[None, :]
+        chunk_max = tl.load(stats_ptr + rows * 2, mask=chunk_ok, other=float("-inf"), cache_modifier=".cg")
+        weights = tl.where(chunk_max > float("-inf"), tl.exp(chunk_max - overall[:, None]), 0.0)
+        acc = tl.load(acc_ptr + rows[:, :, None] * HEAD_DIM + dims[None, None, :], mask=chunk_ok[:, :, None],
+                      other=0.0, cache_modifier=".cg")
+        out += tl.sum(acc * weights[:, :, None], axis=1)
+    out = out / denominator[:, None]
+    tl.store(out_ptr + heads[:, None] * HEAD_DIM + dims[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=head_ok[:, None])
+
+
+@triton.jit
+def _merge_splits_kernel(acc_ptr, stats_ptr, out_ptr, n_splits, SPLITS: tl.constexpr, CHUNK: tl.constexpr,
+                         HEAD_DIM: tl.constexpr):
+    _merge_heads(acc_ptr, stats_ptr, out_ptr, tl.program_id(0), 1, n_splits, 1, SPLITS, CHUNK, HEAD_DIM)
+
+
+
+# The fused merge's arrival counters, one zeroed int32 per (row, KV head), per device: the kernel
+# leaves them zeroed, so every layer reuses them (calls run one after another on one stream).
+# Grown outside graph capture in practice (the first, eager call sizes them); replaced ones are
+# kept alive because captured CUDA graphs may still point at them.
+_arrivals = {}
+_retired_arrivals = []
+
+
+def _arrival_counters(device, n: int) -> Tensor:
+    held = _arrivals.get(str(device))
+    if held is None or held.numel() < n:
+        if held is not None:
+            _retired_arrivals.append(held)
+        held = _arrivals[str(device)] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+    return held
 
 
 def supports(head_dim: int) -> bool:
@@ -160,7 +214,7 @@ def supports(head_dim: int) -> bool:
 
 def _attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, keep: Tensor, new_k=None, new_v=None, cos=None, sin=None,
             write_slot=None) -> Tensor:
-    """Both kernels for q [B, H, D] over the first B rows of the caches; the new_k .. write_slot
+    """The kernels for q [B, H, D] over the first B rows of the caches; the new_k .. write_slot
     arguments (all or none) turn on the partial kernel's RoPE and cache write."""
     batch, n_heads, head_dim = q.shape
     _, n_kv_heads, n_slots, _ = k_cache.shape
@@ -184,17 +238,23 @@ def _attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, keep: Tensor, new_k=Non
     splits = triton.cdiv(n_slots, slots_per_split)
     acc = torch.empty(batch * n_heads, splits, head_dim, dtype=torch.float32, device=q.device)
     stats = torch.empty(batch * n_heads, splits, 2, dtype=torch.float32, device=q.device)
+    out = torch.empty(batch, n_heads, head_dim, dtype=q.dtype, device=q.device)
+    merge = MERGE_IN_LAST_SPLIT
+    arrivals = _arrival_counters(q.device, batch * n_kv_heads) if merge else acc
+    merge_heads = triton.next_power_of_2(group_size) if merge else 1  # heads merged by one program
+    split_tile = triton.next_power_of_2(splits)
+    merge_chunk = max(1, min(split_tile, 32 // merge_heads))  # 32 (head, split) rows of values a load
     _partial_attention_kernel[(batch * n_kv_heads, splits)](
-        q, k_cache, v_cache, keep, acc, stats, new_k, new_v, cos, sin, write_slot,
+        q, k_cache, v_cache, keep, acc, stats, out, arrivals, new_k, new_v, cos, sin, write_slot,
         n_kv_heads, n_slots, slots_per_split, head_dim ** -0.5,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), keep.stride(0),
         new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1), cos.stride(0),
         GROUP_SIZE=group_size, GROUP=max(16, triton.next_power_of_2(group_size)), HEAD_DIM=head_dim,
-        BLOCK=BLOCK_SLOTS, ROPE_AND_WRITE=rope_and_write, IEEE=q.dtype == torch.float32,
-        INTERPRETER_SAFE=INTERPRETING)
-    out = torch.empty(batch, n_heads, head_dim, dtype=q.dtype, device=q.device)
-    _merge_splits_kernel[(batch * n_heads,)](acc, stats, out, splits, SPLITS=triton.next_power_of_2(splits),
-                                             HEAD_DIM=head_dim)
+        BLOCK=BLOCK_SLOTS, ROPE_AND_WRITE=rope_and_write, MERGE=merge, MERGE_HEADS=merge_heads, SPLITS=split_tile,
+        MERGE_CHUNK=merge_chunk, IEEE=q.dtype == torch.float32, INTERPRETER_SAFE=INTERPRETING)
+    if not merge:
+        _merge_splits_kernel[(batch * n_heads,)](acc, stats, out, splits, SPLITS=split_tile, CHUNK=merge_chunk,
+                                                 HEAD_DIM=head_dim)
     return out
 
 

@@ -24,8 +24,8 @@
 #   kernel_sweep_batches  the sweep at batch 4, 8 and 16 on the four Llama-3.1-8B shapes (~2)
 #   sparse_gpu_tests  pytest -m gpu over the sparse/ modules' tests only (~2)
 #   decode_gpu_tests  pytest -m gpu over the SpMV, SparseLinear, decode attention and generate tests (~3)
-#   session14_gpu_tests  only the GPU tests written in session 14 without a GPU: the SpMM's 2:4
-#                   nibble expansion, RoPE and the KV write inside the decode attention (~2)
+#   new_gpu_tests   only the GPU tests written in sessions 14-15 without a GPU: the SpMM's 2:4 nibble
+#                   expansion, RoPE and the KV write inside the decode attention, its merge in the last split (~3)
 #   kernel_ncu      Nsight Compute (full set, SASS source page with stall samples) of the tuned batch-1
 #                   SpMV on 4096x4096, 28672x4096 and 4096x14336 (~2)
 #   spmm            gpu_spmm_check.sh bench: tensor-core SpMM vs SpMV vs cuBLAS (~3)
@@ -45,6 +45,9 @@
 #                   the attention kernel (decode_attention.FUSE_ROPE_AND_CACHE_WRITE) (~5)
 #   decode_rope_ab_b48  the same at batch 4 and 8 (~5 warm; cold, one call holds 3 of its 4 processes)
 #   decode_rope_ab_dense  the same for our dense model at batch 1 (its GEMVs had RoPE fused already) (~5)
+#   decode_merge_ab_b1  Llama-3.1-8B dense and 2:4 at batch 1: this tree against the attention's splits merged
+#                   by the last split (decode_attention.MERGE_IN_LAST_SPLIT) (~6.5 cold: B's Inductor graphs
+#                   are A's, only the attention kernel compiles anew)
 #   decode_spmm_ab_b8  Llama-3.1-8B 2:4 at batch 8: this tree against the tensor-core SpMM from 8 rows
 #                   with the 2:4 nibble expansion on (SPMM_MIN_ROWS = 8, EXPAND_2OF4_BY_NIBBLE) (~5)
 #   decode_qwen3    Qwen3-8B and -14B, dense and 2:4, batch 1 (~9); Qwen3-32B is a job of its own:
@@ -80,7 +83,7 @@ declare -A JOBS=(
   [kernel_sweep_b1]="python3 scripts/bench_kernel.py --sweep --sweep-shapes all --sweep-batches 1 --out-json \$JOB/sweep.json --out-md \$JOB/sweep.md"
   [kernel_sweep_batches]="python3 scripts/bench_kernel.py --sweep --sweep-shapes 6144x4096,4096x4096,28672x4096,4096x14336 --sweep-batches 4,8,16 --out-json \$JOB/sweep.json --out-md \$JOB/sweep.md"
   [sparse_gpu_tests]="python3 -m pytest -v -m gpu tests/test_sparse_kernels.py tests/test_sparse_linear.py tests/test_sparse_spmm.py"
-  [session14_gpu_tests]="python3 -m pytest -v -m gpu tests/test_sparse_spmm.py tests/test_decode_attention.py -k 'llama_shapes_bf16 or rope_and_cache_write or model_decode_matches_sdpa'"
+  [new_gpu_tests]="python3 -m pytest -v -m gpu tests/test_sparse_spmm.py tests/test_decode_attention.py -k 'llama_shape or model_decode_matches_sdpa'"
   [decode_gpu_tests]="python3 -m pytest -v -m gpu tests/test_sparse_kernels.py tests/test_sparse_linear.py tests/test_decode_attention.py tests/test_generate.py"
   [kernel_ncu]="ncu --clock-control none --nvtx --nvtx-include 'spmv/' --set full --import-source yes -o \$JOB/spmv python3 scripts/bench_kernel.py --ncu-shapes 4096x4096,28672x4096,4096x14336 --out-json \$JOB/targets.json && ncu -i \$JOB/spmv.ncu-rep --page details --csv > \$JOB/details.csv && ncu -i \$JOB/spmv.ncu-rep --page source --print-source sass --csv > \$JOB/source_sass.csv"
   [spmm]="env OUT=\$JOB bash scripts/gpu_spmm_check.sh bench"
@@ -92,6 +95,7 @@ declare -A JOBS=(
   [decode_rope_ab_b1]="OUT=\$JOB bash scripts/decode_ab.sh 'decode_attention.py:s/^FUSE_ROPE_AND_CACHE_WRITE = False/FUSE_ROPE_AND_CACHE_WRITE = True/' 1 1 -- --models Llama-3.1-8B --patterns 2:4"
   [decode_rope_ab_b48]="OUT=\$JOB bash scripts/decode_ab.sh 'decode_attention.py:s/^FUSE_ROPE_AND_CACHE_WRITE = False/FUSE_ROPE_AND_CACHE_WRITE = True/' 1 4,8 -- --models Llama-3.1-8B --patterns 2:4"
   [decode_rope_ab_dense]="OUT=\$JOB bash scripts/decode_ab.sh 'decode_attention.py:s/^FUSE_ROPE_AND_CACHE_WRITE = False/FUSE_ROPE_AND_CACHE_WRITE = True/' 1 1 -- --models Llama-3.1-8B --patterns dense"
+  [decode_merge_ab_b1]="OUT=\$JOB bash scripts/decode_ab.sh 'decode_attention.py:s/^MERGE_IN_LAST_SPLIT = False/MERGE_IN_LAST_SPLIT = True/' 1 1 -- --models Llama-3.1-8B --patterns dense,2:4"
   [decode_spmm_ab_b8]="OUT=\$JOB bash scripts/decode_ab.sh 'sparse/linear.py:s/^SPMM_MIN_ROWS = 9/SPMM_MIN_ROWS = 8/;sparse/spmm.py:s/^EXPAND_2OF4_BY_NIBBLE = False/EXPAND_2OF4_BY_NIBBLE = True/' 1 8 -- --models Llama-3.1-8B --patterns 2:4"
   [decode_prologue_ab_b23]="OUT=\$JOB bash scripts/decode_ab.sh 'sparse/linear.py:s/^PROLOGUE_APART_MIN_ROWS = 4/PROLOGUE_APART_MIN_ROWS = 2/' 1 2,3 -- --models Llama-3.1-8B --patterns 2:4"
   [decode_batches]="$DECODE --models Llama-3.1-8B --patterns dense,2:4 --batch_sizes 4,8 --deadline_s 500 --out \$JOB"

@@ -10,7 +10,8 @@ before spending device time (docs/KERNEL_NOTES.md has the budget: ~17.7 per kept
     python scripts/kernel_sass.py --revision bee681a       # the same configs compiled from an older sparse/kernels.py
                                                            # (of the same kernel signature)
     python scripts/kernel_sass.py --attention              # decode_attention's partial kernel, with and
-                                                           # without RoPE and the cache write inside
+                                                           # without RoPE and the cache write inside, and
+                                                           # the splits' merge
 """
 import argparse
 import importlib.util
@@ -26,7 +27,7 @@ from triton.compiler import ASTSource
 
 ROOT = Path(__file__).resolve().parent.parent
 TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-SASS_LINE = re.compile(r"\s+/\*([0-9a-f]{4})\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_]+)")
+SASS_LINE = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_]+)")
 
 
 def innermost_loop(sass: str, marker: str = "SHFL"):
@@ -78,22 +79,28 @@ def compile_for_sm90a(kernel, types: dict, constants: dict, num_warps: int, divi
             int(re.search(r"(\d+) bytes spill stores", report).group(1)))
 
 
-def compile_partial_attention(rope_and_write: bool, group_size: int = 4, head_dim: int = 128) -> dict:
+def compile_partial_attention(rope_and_write: bool, group_size: int = 4, head_dim: int = 128, merge: bool = False,
+                              splits: int = 32) -> dict:
     """decode_attention's partial kernel for sm_90a (bf16, Llama-3.1-8B's GQA group of 4 by
-    default), with or without RoPE and the cache write: registers, spills, all instructions and
-    the slot loop's."""
+    default), with or without RoPE and the cache write, with or without the merge of `splits`
+    splits in the last program: registers, spills, all instructions and the slot loop's."""
     sys.path.insert(0, str(ROOT))
     import decode_attention
     types = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", keep_ptr="*i1", acc_ptr="*fp32", stats_ptr="*fp32",
                  new_k_ptr="*bf16", new_v_ptr="*bf16", cos_ptr="*fp32", sin_ptr="*fp32", write_slot_ptr="*i64",
-                 scale="fp32")
+                 out_ptr="*bf16", arrivals_ptr="*i32", scale="fp32")
     constants = dict(GROUP_SIZE=group_size, GROUP=max(16, triton.next_power_of_2(group_size)), HEAD_DIM=head_dim,
-                     BLOCK=decode_attention.BLOCK_SLOTS, ROPE_AND_WRITE=rope_and_write, IEEE=False,
-                     INTERPRETER_SAFE=False)
+                     BLOCK=decode_attention.BLOCK_SLOTS, ROPE_AND_WRITE=rope_and_write, MERGE=merge,
+                     MERGE_HEADS=triton.next_power_of_2(group_size) if merge else 1, SPLITS=splits,
+                     MERGE_CHUNK=max(1, min(splits, 32 // triton.next_power_of_2(group_size))) if merge else splits,
+                     IEEE=False, INTERPRETER_SAFE=False)
+    # What the JIT sees on Llama's shapes: aligned buffers, strides and slot counts in multiples of 16.
+    aligned = [name for name in decode_attention._partial_attention_kernel.arg_names
+               if name.endswith(("_ptr", "stride_b", "stride_h", "stride_s")) or name in ("n_slots", "slots_per_split")]
     sass, registers, spill_bytes = compile_for_sm90a(decode_attention._partial_attention_kernel, types, constants,
-                                                     num_warps=4)
+                                                     num_warps=4, divisible_by_16=aligned)
     return dict(registers=registers, spill_bytes=spill_bytes, instructions=len(SASS_LINE.findall(sass)),
-                loop=len(innermost_loop(sass)))
+                loop=len(innermost_loop(sass)), loads=sass.count("LDG"))
 
 
 def compile_spmm(two_of_four: bool, block_out: int = 128, words: int = 2, num_warps: int = 4,
@@ -158,7 +165,9 @@ def main():
     args = p.parse_args()
     if args.attention:
         for rope_and_write in (False, True):
-            print(f"RoPE and cache write {rope_and_write!s:5}:", compile_partial_attention(rope_and_write))
+            for merge in (False, True):
+                print(f"RoPE and cache write {rope_and_write!s:5}, merge in the last split {merge!s:5}:",
+                      compile_partial_attention(rope_and_write, merge=merge))
         return
     kernels = kernels_module(args.revision)
     print(f"{'batch':>5} {'regs':>5} {'spill B':>7} {'loop':>5} {'FFMA':>5} {'FLO':>4} {'SHFL':>4} {'LDG':>4} "

@@ -41,24 +41,35 @@ def random_case(batch, n_heads, n_kv_heads, n_slots, head_dim, position, pads, d
 CASES = [(1, 8, 2, 96, 16, 70, [0]), (2, 9, 3, 50, 32, 3, [0, 2]), (2, 4, 4, 200, 16, 150, [0, 100])]
 
 
+def assert_arrivals_zeroed():
+    """The fused merge must leave its counters as it found them: the next layer reuses them."""
+    assert all(not counters.any() for counters in decode_attention._arrivals.values())
+
+
 @interpreted
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("dtype,bound", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
-def test_decode_attention_matches_float64(case, dtype, bound):
+@pytest.mark.parametrize("merge_in_last_split", [False, True])
+def test_decode_attention_matches_float64(case, dtype, bound, merge_in_last_split, monkeypatch):
+    monkeypatch.setattr(decode_attention, "MERGE_IN_LAST_SPLIT", merge_in_last_split)
     q, k, v, keep = random_case(*case, dtype=dtype, seed=case_seed(case))
     out = decode_attention.decode_attention(q, k, v, keep)
     assert out.shape == q.shape and out.dtype == dtype
     assert relative_error(out, reference_attention(q, k, v, keep)) < bound
+    assert_arrivals_zeroed()
 
 
 @interpreted
-def test_decode_attention_splits_over_slots(monkeypatch):
+@pytest.mark.parametrize("merge_in_last_split", [False, True])
+def test_decode_attention_splits_over_slots(merge_in_last_split, monkeypatch):
     # Few programs wanted -> many slots per split; many wanted -> one block per split.
+    monkeypatch.setattr(decode_attention, "MERGE_IN_LAST_SPLIT", merge_in_last_split)
     q, k, v, keep = random_case(1, 8, 2, 160, 16, 140, [0], torch.float32, seed=3)
     reference = reference_attention(q, k, v, keep)
     for target in (1, 1000):
         monkeypatch.setattr(decode_attention, "PROGRAMS_TARGET", target)
         assert relative_error(decode_attention.decode_attention(q, k, v, keep), reference) < 1e-5
+        assert_arrivals_zeroed()
 
 
 def rotated(x, cos, sin):
@@ -122,11 +133,14 @@ def check_rope_and_cache_write(case, dtype, bound, device="cpu", k_apart=False):
 @interpreted
 @pytest.mark.parametrize("case,k_apart", [(case, case == ROPE_CASES[-1]) for case in ROPE_CASES])
 @pytest.mark.parametrize("dtype,bound", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
-@pytest.mark.parametrize("programs_target", [1, 1000])  # one split of every slot; one block a split
+# One split of every slot; one block a split, merged by a kernel of its own or by the last split.
+@pytest.mark.parametrize("programs_target,merge_in_last_split", [(1, False), (1000, False), (1000, True)])
 def test_attention_with_rope_and_cache_write_matches_the_model_path(case, k_apart, dtype, bound, programs_target,
-                                                                    monkeypatch):
+                                                                    merge_in_last_split, monkeypatch):
     monkeypatch.setattr(decode_attention, "PROGRAMS_TARGET", programs_target)
+    monkeypatch.setattr(decode_attention, "MERGE_IN_LAST_SPLIT", merge_in_last_split)
     check_rope_and_cache_write(case, dtype, bound, k_apart=k_apart)
+    assert_arrivals_zeroed()
 
 
 @interpreted
@@ -148,30 +162,37 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("batch,position", [(1, 0), (1, 767), (4, 600)])
-def test_gpu_decode_attention_llama_shape(batch, position):
+@pytest.mark.parametrize("merge_in_last_split", [False, True])
+def test_gpu_decode_attention_llama_shape(batch, position, merge_in_last_split, monkeypatch):
+    monkeypatch.setattr(decode_attention, "MERGE_IN_LAST_SPLIT", merge_in_last_split)
     q, k, v, keep = random_case(batch, 32, 8, 768, 128, position, [0, 5, 300, 0][:batch], torch.bfloat16,
                                 device="cuda", seed=position)
-    out = decode_attention.decode_attention(q, k, v, keep)
-    assert relative_error(out, reference_attention(q, k, v, keep)) < 1e-2
+    for _ in range(3):  # the fused merge's counters must come back zeroed for the next call
+        out = decode_attention.decode_attention(q, k, v, keep)
+        assert relative_error(out, reference_attention(q, k, v, keep)) < 1e-2
+    assert_arrivals_zeroed()
 
 
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("batch,position", [(1, 0), (1, 767), (4, 600)])
-def test_gpu_attention_with_rope_and_cache_write_llama_shape(batch, position):
+@pytest.mark.parametrize("merge_in_last_split", [False, True])
+def test_gpu_attention_with_rope_and_cache_write_llama_shape(batch, position, merge_in_last_split, monkeypatch):
     # Llama-3.1-8B's heads in bf16, the batch smaller than an 8-row cache.
+    monkeypatch.setattr(decode_attention, "MERGE_IN_LAST_SPLIT", merge_in_last_split)
     check_rope_and_cache_write((batch, 8, 32, 8, 768, 128, position, [0, 5, 300, 0][:batch]), torch.bfloat16,
                                1e-2, device="cuda")
 
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("fuse_rope_and_cache_write", [False, True])
+@pytest.mark.parametrize("fuse_rope_and_cache_write,merge_in_last_split", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("qk_norm", [False, True])  # Llama; Qwen3 (k normed apart: strided unlike v)
-def test_gpu_model_decode_matches_sdpa(fuse_rope_and_cache_write, qk_norm, monkeypatch):
+def test_gpu_model_decode_matches_sdpa(fuse_rope_and_cache_write, merge_in_last_split, qk_norm, monkeypatch):
     # A model whose decode steps go through the kernels (with RoPE and the cache write in the
-    # attention kernel or before it), against the same model on SDPA, with a batch of prompts of
-    # different lengths (left padding), eagerly and compiled.
+    # attention kernel or before it, the splits merged by a kernel of their own or by the last
+    # split), against the same model on SDPA, with a batch of prompts of different lengths (left
+    # padding), eagerly and compiled (through CUDA graphs).
     import generate
     from model import ModelArgs, Transformer
 
@@ -183,6 +204,7 @@ def test_gpu_model_decode_matches_sdpa(fuse_rope_and_cache_write, qk_norm, monke
         patch.setattr(decode_attention, "supports", lambda head_dim: False)
         reference = generate.generate(model, prompts, 20)
     monkeypatch.setattr(decode_attention, "FUSE_ROPE_AND_CACHE_WRITE", fuse_rope_and_cache_write)
+    monkeypatch.setattr(decode_attention, "MERGE_IN_LAST_SPLIT", merge_in_last_split)
     for compile in (False, True):
         result = generate.generate(model, prompts, 20, compile=compile)
         assert all(torch.equal(a, b) for a, b in zip(result.sequences, reference.sequences)), compile
