@@ -11,7 +11,9 @@ EOS_CHECK_INTERVAL steps instead of after each one.
 Sampling never synchronises either: instead of torch.multinomial we draw Exponential(1) noise E
 and take argmax(p / E). For independent E_i, E_i / p_i is exponential with rate p_i, and the
 smallest of such variables is i with probability p_i / sum(p): an exact categorical draw made of
-two elementwise ops and an argmax. The noise is drawn eagerly from an explicit torch.Generator
+two elementwise ops and an argmax. Since p_i is exp(logit_i / T) up to a factor common to all i,
+the step takes argmax(logit_i / T - log E_i) over the kept tokens and never computes the softmax
+(one fused reduction instead of three). The noise is drawn eagerly from an explicit torch.Generator
 and handed to the compiled step, so a fixed seed gives the same tokens compiled or not.
 
 `generate()` is also what prune/ calls for decoding-aware calibration: it returns each
@@ -86,9 +88,9 @@ def load_model(checkpoint_path, device="cuda", dtype=torch.bfloat16) -> Transfor
 # Sampling
 
 
-def logits_to_probs(logits: Tensor, temperature: float = 1.0, top_k: Optional[int] = None,
-                    top_p: Optional[float] = None) -> Tensor:
-    """logits [..., V] -> probabilities with everything outside the top-k / top-p set zeroed.
+def kept_logits(logits: Tensor, temperature: float = 1.0, top_k: Optional[int] = None,
+                top_p: Optional[float] = None) -> Tensor:
+    """logits [..., V] -> fp32 logits / temperature, with everything outside the top-k / top-p set at -inf.
 
     top-k keeps the k largest logits; top-p (nucleus) then keeps the smallest set of the most
     likely remaining tokens whose probability mass reaches top_p. Both become one threshold on
@@ -106,7 +108,13 @@ def logits_to_probs(logits: Tensor, temperature: float = 1.0, top_k: Optional[in
             ranked = ranked.masked_fill(mass_before >= top_p, float("inf"))  # mass already reached: drop
         threshold = ranked.min(dim=-1, keepdim=True).values
         logits = logits.masked_fill(logits < threshold, float("-inf"))
-    return torch.softmax(logits, dim=-1)
+    return logits
+
+
+def logits_to_probs(logits: Tensor, temperature: float = 1.0, top_k: Optional[int] = None,
+                    top_p: Optional[float] = None) -> Tensor:
+    """logits [..., V] -> the probabilities that `sample` draws from (zero outside the kept set)."""
+    return torch.softmax(kept_logits(logits, temperature, top_k, top_p), dim=-1)
 
 
 def sample(logits: Tensor, noise: Optional[Tensor], temperature: float = 0.0, top_k: Optional[int] = None,
@@ -114,9 +122,8 @@ def sample(logits: Tensor, noise: Optional[Tensor], temperature: float = 0.0, to
     """logits [B, V] -> token ids [B]. Temperature 0 is greedy; otherwise `noise` is Exponential(1) [B, V]."""
     if temperature == 0:
         return logits.argmax(dim=-1)
-    probs = logits_to_probs(logits, temperature, top_k, top_p)
-    # The exponential race (see the module docstring); the clamp guards against a zero draw.
-    return torch.argmax(probs / noise.clamp_min(1e-20), dim=-1)
+    # The exponential race in log space (see the module docstring); the clamp guards against a zero draw.
+    return torch.argmax(kept_logits(logits, temperature, top_k, top_p) - noise.clamp_min(1e-20).log(), dim=-1)
 
 
 def draw_noise(batch_size: int, vocab_size: int, temperature: float, generator, device) -> Optional[Tensor]:
