@@ -192,13 +192,16 @@ def _merge_splits_kernel(acc_ptr, stats_ptr, out_ptr, n_splits, SPLITS: tl.const
 
 # The fused merge's arrival counters, one zeroed int32 per (row, KV head), per device: the kernel
 # leaves them zeroed, so every layer reuses them (calls run one after another on one stream).
-# Grown outside graph capture in practice (the first, eager call sizes them); replaced ones are
-# kept alive because captured CUDA graphs may still point at them.
+# model.setup_caches reserves them: allocated during torch.compile's CUDA-graph warm-up instead,
+# they would sit in the graph's memory pool, which cudagraph trees refuse ("tensor(s) in the
+# cudagraph pool not tracked as outputs", H200, 2026-12-03). Replaced ones are kept alive
+# because captured CUDA graphs may still point at them.
 _arrivals = {}
 _retired_arrivals = []
 
 
-def _arrival_counters(device, n: int) -> Tensor:
+def reserve_arrival_counters(device, n: int) -> Tensor:
+    """Counters for n (row, KV head) pairs on device, allocated now if those held are fewer."""
     held = _arrivals.get(str(device))
     if held is None or held.numel() < n:
         if held is not None:
@@ -240,7 +243,7 @@ def _attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, keep: Tensor, new_k=Non
     stats = torch.empty(batch * n_heads, splits, 2, dtype=torch.float32, device=q.device)
     out = torch.empty(batch, n_heads, head_dim, dtype=q.dtype, device=q.device)
     merge = MERGE_IN_LAST_SPLIT
-    arrivals = _arrival_counters(q.device, batch * n_kv_heads) if merge else acc
+    arrivals = reserve_arrival_counters(q.device, batch * n_kv_heads) if merge else acc
     merge_heads = triton.next_power_of_2(group_size) if merge else 1  # heads merged by one program
     split_tile = triton.next_power_of_2(splits)
     merge_chunk = max(1, min(split_tile, 32 // merge_heads))  # 32 (head, split) rows of values a load

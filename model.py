@@ -166,6 +166,8 @@ class Transformer(nn.Module):
         # Left padding per batch row (a batch of prompts of different lengths): padded slots are
         # never attended and positions count from each row's first real token.
         self.register_buffer("left_pad", torch.zeros(max_batch_size, dtype=torch.long, device=device), persistent=False)
+        if device.type == "cuda":  # now, not inside a CUDA graph's warm-up (whose pool it would land in)
+            decode_attention.reserve_arrival_counters(device, max_batch_size * c.n_local_heads)
 
     def set_left_padding(self, pad: Optional[Tensor]):
         """pad[b] = number of pad tokens in front of row b's prompt (None: no padding)."""

@@ -2,8 +2,8 @@
 # End-to-end timing of code variants in one tree: bench_decode.py in a fresh process per variant
 # and round, the variants in turn (A, B, C, A, B, C, ...), each edited by sed expressions on top
 # of the files as they were. Unlike decode_ab.sh it edits this tree in place (restored on exit),
-# so that every variant shares this tree's Inductor and Triton caches; on 2026-12-03 decode_ab.sh's
-# copied tree produced no output on the device, for a reason not found.
+# so that every variant shares this tree's Inductor and Triton caches (decode_ab.sh's copy has
+# caches of its own: cold compiles on both sides).
 #   usage: OUT=dir scripts/decode_variants.sh ROUNDS 'LABEL=FILE:SED;FILE:SED' ... -- bench_decode args
 #   e.g.   OUT=/tmp/v scripts/decode_variants.sh 2 'base=' 'merge=decode_attention.py:s/^MERGE_IN_LAST_SPLIT = False/MERGE_IN_LAST_SPLIT = True/' \
 #              -- --models Llama-3.1-8B --patterns 2:4 --batch_sizes 1
