@@ -51,10 +51,11 @@
 #   decode_attention_variants_b1  Llama-3.1-8B 2:4 at batch 1, one process each (decode_variants.sh): this tree,
 #                   then MERGE_IN_LAST_SPLIT on, then RoPE + cache write in the attention on as well (~5.5 cold)
 #   decode_all_on_b8  Llama-3.1-8B 2:4 at batch 8, one process each (decode_variants.sh): this tree, then the
-#                   SpMM from 8 rows with the 2:4 nibble expansion, the merge in the last split, and RoPE + cache
+#                   SpMM from 8 rows (2:4 nibble expansion), the merge in the last split, and RoPE + cache
 #                   write in the attention, all on (~5 cold)
+#   decode_all_on_b81  only the all-on variant of decode_all_on_b8, at batch 8 and then 1 in one process (~3.5 cold)
 #   decode_spmm_ab_b8  Llama-3.1-8B 2:4 at batch 8: this tree against the tensor-core SpMM from 8 rows
-#                   with the 2:4 nibble expansion on (SPMM_MIN_ROWS = 8, EXPAND_2OF4_BY_NIBBLE) (~5)
+#                   (SPMM_MIN_ROWS = 8; 2:4 tiles expand by nibble since session 15) (~5)
 #   decode_qwen3    Qwen3-8B and -14B, dense and 2:4, batch 1 (~9); Qwen3-32B is a job of its own:
 #   decode_qwen3_32b
 #   prune_8b        bench_prune.py: SparseGPT 2:4, 262,144 decode tokens on Llama-3.1-8B (~7.5)
@@ -78,7 +79,6 @@ PRUNE_8B="python3 scripts/bench_prune.py --model Llama-3.1-8B --batch_size 128 -
 MERGE="decode_attention.py:s/^MERGE_IN_LAST_SPLIT = False/MERGE_IN_LAST_SPLIT = True/"
 ROPE="decode_attention.py:s/^FUSE_ROPE_AND_CACHE_WRITE = False/FUSE_ROPE_AND_CACHE_WRITE = True/"
 SPMM8="sparse/linear.py:s/^SPMM_MIN_ROWS = 9/SPMM_MIN_ROWS = 8/"
-NIBBLE="sparse/spmm.py:s/^EXPAND_2OF4_BY_NIBBLE = False/EXPAND_2OF4_BY_NIBBLE = True/"
 declare -A JOBS=(
   [gpu_tests]="python3 -m pytest -v -m gpu tests"
   [kernel_table_b1_prefill]="python3 scripts/bench_kernel.py --batches 2048,1 --out-md \$JOB/table.md --out-json \$JOB/bench.json"
@@ -106,8 +106,9 @@ declare -A JOBS=(
   [decode_rope_ab_dense]="OUT=\$JOB bash scripts/decode_ab.sh 'decode_attention.py:s/^FUSE_ROPE_AND_CACHE_WRITE = False/FUSE_ROPE_AND_CACHE_WRITE = True/' 1 1 -- --models Llama-3.1-8B --patterns dense"
   [decode_merge_ab_b1]="OUT=\$JOB bash scripts/decode_ab.sh 'decode_attention.py:s/^MERGE_IN_LAST_SPLIT = False/MERGE_IN_LAST_SPLIT = True/' 1 1 -- --models Llama-3.1-8B --patterns dense,2:4"
   [decode_attention_variants_b1]="OUT=\$JOB bash scripts/decode_variants.sh 1 'base=' 'merge=$MERGE' 'rope_merge=$MERGE;$ROPE' -- --models Llama-3.1-8B --patterns 2:4 --batch_sizes 1"
-  [decode_all_on_b8]="OUT=\$JOB bash scripts/decode_variants.sh 1 'base=' 'all_on=$MERGE;$ROPE;$SPMM8;$NIBBLE' -- --models Llama-3.1-8B --patterns 2:4 --batch_sizes 8"
-  [decode_spmm_ab_b8]="OUT=\$JOB bash scripts/decode_ab.sh 'sparse/linear.py:s/^SPMM_MIN_ROWS = 9/SPMM_MIN_ROWS = 8/;sparse/spmm.py:s/^EXPAND_2OF4_BY_NIBBLE = False/EXPAND_2OF4_BY_NIBBLE = True/' 1 8 -- --models Llama-3.1-8B --patterns 2:4"
+  [decode_all_on_b8]="OUT=\$JOB bash scripts/decode_variants.sh 1 'base=' 'all_on=$MERGE;$ROPE;$SPMM8' -- --models Llama-3.1-8B --patterns 2:4 --batch_sizes 8"
+  [decode_all_on_b81]="OUT=\$JOB bash scripts/decode_variants.sh 1 'all_on=$MERGE;$ROPE;$SPMM8' -- --models Llama-3.1-8B --patterns 2:4 --batch_sizes 8,1"
+  [decode_spmm_ab_b8]="OUT=\$JOB bash scripts/decode_ab.sh '$SPMM8' 1 8 -- --models Llama-3.1-8B --patterns 2:4"
   [decode_prologue_ab_b23]="OUT=\$JOB bash scripts/decode_ab.sh 'sparse/linear.py:s/^PROLOGUE_APART_MIN_ROWS = 4/PROLOGUE_APART_MIN_ROWS = 2/' 1 2,3 -- --models Llama-3.1-8B --patterns 2:4"
   [decode_batches]="$DECODE --models Llama-3.1-8B --patterns dense,2:4 --batch_sizes 4,8 --deadline_s 500 --out \$JOB"
   [decode_qwen3]="$DECODE --models Qwen3-8B,Qwen3-14B --patterns dense,2:4 --batch_sizes 1 --out \$JOB"

@@ -54,14 +54,14 @@ for out_features, in_features in SHAPES:
                        config=spmm.spmm_config(x, values, mask))
             row["spmm_us"] = kernels.time_in_cuda_graph([lambda v=v, m=m: spmm.spmm(x, v, m) for v, m in packed])
             if pattern == "2:4":  # the nibble expansion (spmm.EXPAND_2OF4_BY_NIBBLE), checked, then timed
-                spmm.EXPAND_2OF4_BY_NIBBLE = True
+                default, spmm.EXPAND_2OF4_BY_NIBBLE = spmm.EXPAND_2OF4_BY_NIBBLE, True
                 reference = x.double() @ kernels.unpack_to_dense(values, mask).double().T
                 error = float((spmm.spmm(x, values, mask, two_of_four=True).double() - reference).norm() / reference.norm())
                 assert error < 1e-2, f"nibble SpMM wrong on {out_features}x{in_features} b{batch}: {error:.2e}"
                 row["nibble_config"] = spmm.spmm_config(x, values, mask, two_of_four=True)
                 row["spmm_nibble_us"] = kernels.time_in_cuda_graph(
                     [lambda v=v, m=m: spmm.spmm(x, v, m, two_of_four=True) for v, m in packed])
-                spmm.EXPAND_2OF4_BY_NIBBLE = False
+                spmm.EXPAND_2OF4_BY_NIBBLE = default
             if batch <= kernels.MAX_SPMV_BATCH:
                 row["spmv_us"] = kernels.time_in_cuda_graph([lambda v=v, m=m: kernels.spmv(x, v, m) for v, m in packed])
             else:

@@ -31,8 +31,9 @@ For 2:4 the expansion needs no gather: every nibble keeps two columns, whose val
 column pairs (0, 1) and (2, 3) are that pair byte-permuted by the nibble's bits, one `prmt` each
 (`_expand_tile_2of4`). Compiled the same way (with the run-time alignment the JIT specializes):
 280 loop instructions against 863 for the gather, 8.75 per kept weight against 27.0 (27 for the
-gather is over the 17.7 the bytes allow; 8.75 is well under it); not yet timed on the GPU
-(EXPAND_2OF4_BY_NIBBLE).
+gather is over the 17.7 the bytes allow; 8.75 is well under it). On the H200 the Llama-3.1-8B
+shapes at 16 rows ran 0.62-0.89x of cuBLAS with it against 0.45-0.50x with the gather
+(EXPAND_2OF4_BY_NIBBLE, on).
 
 Where the grid would be too small to fill the GPU, K is split over programs; their fp32
 partial sums meet in the workspace that `kernels.spmv` also uses (`_store_or_reduce`).
@@ -49,10 +50,11 @@ from sparse import kernels
 from sparse.kernels import INTERPRETING, _popcount, _store_or_reduce
 
 MMA_TOKENS = 16  # the smallest token tile: the MMA's N
-# 2:4 weights expand by nibble (`_expand_tile_2of4`) rather than by gather. Off until timed on the
-# GPU: statically (sm_90a, kernel_sass.compile_spmm) the K loop is 280 instructions against 863,
-# 8.75 per kept weight against 27.0 (docs/KERNEL_NOTES.md, session 14).
-EXPAND_2OF4_BY_NIBBLE = False
+# 2:4 weights expand by nibble (`_expand_tile_2of4`) rather than by gather: statically (sm_90a,
+# kernel_sass.compile_spmm) the K loop is 280 instructions against 863, 8.75 per kept weight
+# against 27.0 (docs/KERNEL_NOTES.md, session 14); on the H200 the Llama-3.1-8B shapes at 16 rows
+# ran 0.62-0.89x of cuBLAS against the gather's 0.45-0.50x (docs/BENCHMARKS.md, session 15).
+EXPAND_2OF4_BY_NIBBLE = True
 
 
 @triton.jit
