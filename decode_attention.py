@@ -38,9 +38,10 @@ from torch import Tensor
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 PROGRAMS_TARGET = 264  # two programs per SM of an H200 (132 SMs)
 BLOCK_SLOTS = 32
-# Off until measured end to end on the GPU (decode_ab.sh; predicted in docs/KERNEL_NOTES.md, session 14).
-FUSE_ROPE_AND_CACHE_WRITE = False
-MERGE_IN_LAST_SPLIT = False
+# On since session 15: with both, the 2:4 Llama-3.1-8B step at batch 1 took 2.98 ms against 3.041 and
+# 3.053 ms without (H200, docs/BENCHMARKS.md session 15; batch 4 and 8 were not measured apart).
+FUSE_ROPE_AND_CACHE_WRITE = True
+MERGE_IN_LAST_SPLIT = True
 
 
 @triton.jit

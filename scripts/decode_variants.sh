@@ -5,7 +5,7 @@
 # so that every variant shares this tree's Inductor and Triton caches (decode_ab.sh's copy has
 # caches of its own: cold compiles on both sides).
 #   usage: OUT=dir scripts/decode_variants.sh ROUNDS 'LABEL=FILE:SED;FILE:SED' ... -- bench_decode args
-#   e.g.   OUT=/tmp/v scripts/decode_variants.sh 2 'base=' 'merge=decode_attention.py:s/^MERGE_IN_LAST_SPLIT = False/MERGE_IN_LAST_SPLIT = True/' \
+#   e.g.   OUT=/tmp/v scripts/decode_variants.sh 2 'on=' 'no_merge=decode_attention.py:s/^MERGE_IN_LAST_SPLIT = True/MERGE_IN_LAST_SPLIT = False/' \
 #              -- --models Llama-3.1-8B --patterns 2:4 --batch_sizes 1
 set -euo pipefail
 rounds=$1; shift

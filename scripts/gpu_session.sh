@@ -41,19 +41,9 @@
 #                   takes ~2.3 min cold, ~50 s with the compile caches warm, so one cold call of 560 s
 #                   holds 3 processes, not 4; measured 2026-12-03: apart costs 0.14 ms a step)
 #   decode_prologue_ab_b23  the same at batch 2 and 3: this tree against the prologue apart from 2 rows (~5)
-#   decode_rope_ab_b1  Llama-3.1-8B 2:4 at batch 1: this tree against RoPE and the KV-cache write inside
-#                   the attention kernel (decode_attention.FUSE_ROPE_AND_CACHE_WRITE) (~5)
-#   decode_rope_ab_b48  the same at batch 4 and 8 (~5 warm; cold, one call holds 3 of its 4 processes)
-#   decode_rope_ab_dense  the same for our dense model at batch 1 (its GEMVs had RoPE fused already) (~5)
-#   decode_merge_ab_b1  Llama-3.1-8B dense and 2:4 at batch 1: this tree against the attention's splits merged
-#                   by the last split (decode_attention.MERGE_IN_LAST_SPLIT) (~6.5 cold: B's Inductor graphs
-#                   are A's, only the attention kernel compiles anew)
-#   decode_attention_variants_b1  Llama-3.1-8B 2:4 at batch 1, one process each (decode_variants.sh): this tree,
-#                   then MERGE_IN_LAST_SPLIT on, then RoPE + cache write in the attention on as well (~5.5 cold)
-#   decode_all_on_b8  Llama-3.1-8B 2:4 at batch 8, one process each (decode_variants.sh): this tree, then the
-#                   SpMM from 8 rows (2:4 nibble expansion), the merge in the last split, and RoPE + cache
-#                   write in the attention, all on (~5 cold)
-#   decode_all_on_b81  only the all-on variant of decode_all_on_b8, at batch 8 and then 1 in one process (~3.5 cold)
+#   decode_attention_off_b48  Llama-3.1-8B 2:4 at batch 4 and 8, one process each (decode_variants.sh): this tree
+#                   (RoPE, KV write and the splits' merge inside the attention, on since session 15), then the
+#                   merge off, then both off: the fusions were measured at batch 1 only (~7 cold)
 #   decode_spmm_ab_b8  Llama-3.1-8B 2:4 at batch 8: this tree against the tensor-core SpMM from 8 rows
 #                   (SPMM_MIN_ROWS = 8; 2:4 tiles expand by nibble since session 15) (~5)
 #   decode_qwen3    Qwen3-8B and -14B, dense and 2:4, batch 1 (~9); Qwen3-32B is a job of its own:
@@ -76,8 +66,8 @@ export PYTHONUNBUFFERED=1 TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_
 # The shared head of each family of jobs; $JOB is expanded when a job runs.
 DECODE="python3 scripts/bench_decode.py"
 PRUNE_8B="python3 scripts/bench_prune.py --model Llama-3.1-8B --batch_size 128 --max_new_tokens 512 --prompt_lengths 64:512 --no_write --json \$JOB/bench_prune.json"
-MERGE="decode_attention.py:s/^MERGE_IN_LAST_SPLIT = False/MERGE_IN_LAST_SPLIT = True/"
-ROPE="decode_attention.py:s/^FUSE_ROPE_AND_CACHE_WRITE = False/FUSE_ROPE_AND_CACHE_WRITE = True/"
+NO_MERGE="decode_attention.py:s/^MERGE_IN_LAST_SPLIT = True/MERGE_IN_LAST_SPLIT = False/"
+NO_ROPE="decode_attention.py:s/^FUSE_ROPE_AND_CACHE_WRITE = True/FUSE_ROPE_AND_CACHE_WRITE = False/"
 SPMM8="sparse/linear.py:s/^SPMM_MIN_ROWS = 9/SPMM_MIN_ROWS = 8/"
 declare -A JOBS=(
   [gpu_tests]="python3 -m pytest -v -m gpu tests"
@@ -101,13 +91,7 @@ declare -A JOBS=(
   [decode_b1_ours]="$DECODE --models Llama-3.1-8B --patterns dense,2:4 --batch_sizes 1 --profile --out \$JOB"
   [decode_b1_patterns]="$DECODE --models Llama-3.1-8B --patterns dense,4:8,8:16,16:32 --batch_sizes 1 --out \$JOB"
   [decode_prologue_ab_b1]="OUT=\$JOB bash scripts/decode_ab.sh 'sparse/linear.py:s/^PROLOGUE_APART_MIN_ROWS = 4/PROLOGUE_APART_MIN_ROWS = 1/' 1 1 -- --models Llama-3.1-8B --patterns 2:4"
-  [decode_rope_ab_b1]="OUT=\$JOB bash scripts/decode_ab.sh 'decode_attention.py:s/^FUSE_ROPE_AND_CACHE_WRITE = False/FUSE_ROPE_AND_CACHE_WRITE = True/' 1 1 -- --models Llama-3.1-8B --patterns 2:4"
-  [decode_rope_ab_b48]="OUT=\$JOB bash scripts/decode_ab.sh 'decode_attention.py:s/^FUSE_ROPE_AND_CACHE_WRITE = False/FUSE_ROPE_AND_CACHE_WRITE = True/' 1 4,8 -- --models Llama-3.1-8B --patterns 2:4"
-  [decode_rope_ab_dense]="OUT=\$JOB bash scripts/decode_ab.sh 'decode_attention.py:s/^FUSE_ROPE_AND_CACHE_WRITE = False/FUSE_ROPE_AND_CACHE_WRITE = True/' 1 1 -- --models Llama-3.1-8B --patterns dense"
-  [decode_merge_ab_b1]="OUT=\$JOB bash scripts/decode_ab.sh 'decode_attention.py:s/^MERGE_IN_LAST_SPLIT = False/MERGE_IN_LAST_SPLIT = True/' 1 1 -- --models Llama-3.1-8B --patterns dense,2:4"
-  [decode_attention_variants_b1]="OUT=\$JOB bash scripts/decode_variants.sh 1 'base=' 'merge=$MERGE' 'rope_merge=$MERGE;$ROPE' -- --models Llama-3.1-8B --patterns 2:4 --batch_sizes 1"
-  [decode_all_on_b8]="OUT=\$JOB bash scripts/decode_variants.sh 1 'base=' 'all_on=$MERGE;$ROPE;$SPMM8' -- --models Llama-3.1-8B --patterns 2:4 --batch_sizes 8"
-  [decode_all_on_b81]="OUT=\$JOB bash scripts/decode_variants.sh 1 'all_on=$MERGE;$ROPE;$SPMM8' -- --models Llama-3.1-8B --patterns 2:4 --batch_sizes 8,1"
+  [decode_attention_off_b48]="OUT=\$JOB bash scripts/decode_variants.sh 1 'on=' 'no_merge=$NO_MERGE' 'off=$NO_MERGE;$NO_ROPE' -- --models Llama-3.1-8B --patterns 2:4 --batch_sizes 4,8"
   [decode_spmm_ab_b8]="OUT=\$JOB bash scripts/decode_ab.sh '$SPMM8' 1 8 -- --models Llama-3.1-8B --patterns 2:4"
   [decode_prologue_ab_b23]="OUT=\$JOB bash scripts/decode_ab.sh 'sparse/linear.py:s/^PROLOGUE_APART_MIN_ROWS = 4/PROLOGUE_APART_MIN_ROWS = 2/' 1 2,3 -- --models Llama-3.1-8B --patterns 2:4"
   [decode_batches]="$DECODE --models Llama-3.1-8B --patterns dense,2:4 --batch_sizes 4,8 --deadline_s 500 --out \$JOB"
