@@ -190,7 +190,6 @@ def _merge_splits_kernel(acc_ptr, stats_ptr, out_ptr, n_splits, SPLITS: tl.const
     _merge_heads(acc_ptr, stats_ptr, out_ptr, tl.program_id(0), 1, n_splits, 1, SPLITS, CHUNK, HEAD_DIM)
 
 
-
 # The fused merge's arrival counters, one zeroed int32 per (row, KV head), per device: the kernel
 # leaves them zeroed, so every layer reuses them (calls run one after another on one stream).
 # model.setup_caches reserves them: allocated during torch.compile's CUDA-graph warm-up instead,
