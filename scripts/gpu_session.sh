@@ -44,6 +44,8 @@
 #   decode_attention_off_b48  Llama-3.1-8B 2:4 at batch 4 and 8, one process each (decode_variants.sh): this tree
 #                   (RoPE, KV write and the splits' merge inside the attention, on since session 15), then the
 #                   merge off, then both off: the fusions were measured at batch 1 only (~7 cold)
+#   dense_spread    dense_spread.sh: our dense at batch 1 three times, each with a fresh Inductor cache, and
+#                   the GEMV configs each process's coordinate descent picked (~7)
 #   decode_spmm_ab_b8  Llama-3.1-8B 2:4 at batch 8: this tree against the tensor-core SpMM from 8 rows
 #                   (SPMM_MIN_ROWS = 8; 2:4 tiles expand by nibble since session 15) (~5)
 #   decode_qwen3    Qwen3-8B and -14B, dense and 2:4, batch 1 (~9); Qwen3-32B is a job of its own:
@@ -92,6 +94,7 @@ declare -A JOBS=(
   [decode_b1_patterns]="$DECODE --models Llama-3.1-8B --patterns dense,4:8,8:16,16:32 --batch_sizes 1 --out \$JOB"
   [decode_prologue_ab_b1]="OUT=\$JOB bash scripts/decode_ab.sh 'sparse/linear.py:s/^PROLOGUE_APART_MIN_ROWS = 4/PROLOGUE_APART_MIN_ROWS = 1/' 1 1 -- --models Llama-3.1-8B --patterns 2:4"
   [decode_attention_off_b48]="OUT=\$JOB bash scripts/decode_variants.sh 1 'on=' 'no_merge=$NO_MERGE' 'off=$NO_MERGE;$NO_ROPE' -- --models Llama-3.1-8B --patterns 2:4 --batch_sizes 4,8"
+  [dense_spread]="OUT=\$JOB bash scripts/dense_spread.sh 3"
   [decode_spmm_ab_b8]="OUT=\$JOB bash scripts/decode_ab.sh '$SPMM8' 1 8 -- --models Llama-3.1-8B --patterns 2:4"
   [decode_prologue_ab_b23]="OUT=\$JOB bash scripts/decode_ab.sh 'sparse/linear.py:s/^PROLOGUE_APART_MIN_ROWS = 4/PROLOGUE_APART_MIN_ROWS = 2/' 1 2,3 -- --models Llama-3.1-8B --patterns 2:4"
   [decode_batches]="$DECODE --models Llama-3.1-8B --patterns dense,2:4 --batch_sizes 4,8 --deadline_s 500 --out \$JOB"
