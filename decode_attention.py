@@ -210,6 +210,15 @@ def reserve_arrival_counters(device, n: int) -> Tensor:
     return held
 
 
+def merge_tiling(group_size: int, splits: int, merge_in_last_split: bool):
+    """(heads merged by one program, splits padded to a power of two, splits a load takes): the
+    last split merges its whole GQA group, the merge kernel one head; a load takes 32 (head, split)
+    rows of values."""
+    heads = triton.next_power_of_2(group_size) if merge_in_last_split else 1
+    split_tile = triton.next_power_of_2(splits)
+    return heads, split_tile, max(1, min(split_tile, 32 // heads))
+
+
 def supports(head_dim: int) -> bool:
     """tl.dot needs a power-of-two head_dim of at least 16 (stories260K's is 8: it uses SDPA)."""
     return head_dim >= 16 and head_dim & (head_dim - 1) == 0
@@ -244,9 +253,7 @@ def _attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, keep: Tensor, new_k=Non
     out = torch.empty(batch, n_heads, head_dim, dtype=q.dtype, device=q.device)
     merge = MERGE_IN_LAST_SPLIT
     arrivals = reserve_arrival_counters(q.device, batch * n_kv_heads) if merge else acc
-    merge_heads = triton.next_power_of_2(group_size) if merge else 1  # heads merged by one program
-    split_tile = triton.next_power_of_2(splits)
-    merge_chunk = max(1, min(split_tile, 32 // merge_heads))  # 32 (head, split) rows of values a load
+    merge_heads, split_tile, merge_chunk = merge_tiling(group_size, splits, merge)
     _partial_attention_kernel[(batch * n_kv_heads, splits)](
         q, k_cache, v_cache, keep, acc, stats, out, arrivals, new_k, new_v, cos, sin, write_slot,
         n_kv_heads, n_slots, slots_per_split, head_dim ** -0.5,

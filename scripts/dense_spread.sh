@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Is the dense engine's process-to-process spread (4.48-5.02 ms a Llama-3.1-8B step at batch 1,
-# 71-79 % of the copy bandwidth, docs/BENCHMARKS.md) Inductor's tuning? Runs our dense model N
+# Is the dense engine's process-to-process spread (4.48-5.21 ms a Llama-3.1-8B step at batch 1,
+# 68-79 % of the copy bandwidth, docs/BENCHMARKS.md) Inductor's tuning? Runs our dense model N
 # times, each in a fresh process with an Inductor cache of its own (so each tunes its GEMV
 # reductions anew, as the first process on a fresh machine does), and keeps the configs each
 # picked (the *.best_config files coordinate descent leaves in the cache). Same picks with

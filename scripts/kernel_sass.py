@@ -91,9 +91,9 @@ def compile_partial_attention(rope_and_write: bool, group_size: int = 4, head_di
                  out_ptr="*bf16", arrivals_ptr="*i32", scale="fp32")
     constants = dict(GROUP_SIZE=group_size, GROUP=max(16, triton.next_power_of_2(group_size)), HEAD_DIM=head_dim,
                      BLOCK=decode_attention.BLOCK_SLOTS, ROPE_AND_WRITE=rope_and_write, MERGE=merge,
-                     MERGE_HEADS=triton.next_power_of_2(group_size) if merge else 1, SPLITS=splits,
-                     MERGE_CHUNK=max(1, min(splits, 32 // triton.next_power_of_2(group_size))) if merge else splits,
                      IEEE=False, INTERPRETER_SAFE=False)
+    constants.update(zip(("MERGE_HEADS", "SPLITS", "MERGE_CHUNK"), decode_attention.merge_tiling(group_size, splits,
+                                                                                               merge)))
     # What the JIT sees on Llama's shapes: aligned buffers, strides and slot counts in multiples of 16.
     aligned = [name for name in decode_attention._partial_attention_kernel.arg_names
                if name.endswith(("_ptr", "stride_b", "stride_h", "stride_s")) or name in ("n_slots", "slots_per_split")]

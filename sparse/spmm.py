@@ -19,9 +19,10 @@ expanded tile one step ahead of its MMA: a program waits on memory once, not onc
 Cost (SASS of the loop, Triton 3.6, sm_90, BLOCK_OUT 128, WORDS 2): 698 instructions per
 thread per 64 dense columns when first written, 10.9 per dense weight = 21.8 per kept weight at
 50 %, whatever the batch (recounted in session 14 on today's chunked values layout with
-`scripts/kernel_sass.py`'s `compile_spmm`: 863, 27.0 per kept weight): popcount + mask, compare, 3 for the address, the load, zero-fill and pairing, 1/8 of a
-16-byte shared store; the MMAs are 8 instructions. That is above the 17.7 the H200 can issue
-per kept weight at full bandwidth, so the best case is ~80 % of the bytes floor; the gathers'
+`scripts/kernel_sass.py`'s `compile_spmm`: 863, 27.0 per kept weight): popcount + mask,
+compare, 3 for the address, the load, zero-fill and pairing, 1/8 of a 16-byte shared store;
+the MMAs are 8 instructions. That is above the 17.7 the H200 can issue per kept weight at full
+bandwidth, so the best case is ~80 % of the bytes floor; the gathers'
 L1 wavefronts (one per distinct rank among a warp's rows) are the other limit, lower for 2:4
 (ranks of a column differ by at most 2) than for 16:32. Prefill redoes the expansion for every
 64-token tile (128 spill), ~30x per weight at 2048 tokens: slower than expanding once + cuBLAS.
@@ -140,7 +141,8 @@ def _expand_tile_2of4(values_ptr, words, k, rows, n_rows, CHUNK: tl.constexpr, W
     R: tl.constexpr = rows.shape[0]
     pairs = tl.arange(0, 8)
     slot_offsets = (((k + tl.arange(0, WORDS)) * (16 // CHUNK) * n_rows)[None, :] + rows[:, None]) * (CHUNK // 2)
-    offsets = slot_offsets[:, :, None] + ((pairs // (CHUNK // 2)) * (n_rows * CHUNK // 2) + pairs % (CHUNK // 2))[None, None, :]
+    pair_offsets = (pairs // (CHUNK // 2)) * (n_rows * CHUNK // 2) + pairs % (CHUNK // 2)
+    offsets = slot_offsets[:, :, None] + pair_offsets[None, None, :]
     # Words past the last row or past K are zero (`_load_words`), and a 2:4 word never is.
     ab = tl.load(values_ptr.to(tl.pointer_type(tl.uint32)) + offsets, mask=(words != 0)[:, :, None], other=0)
     nibbles = (words[:, :, None] >> (4 * pairs)[None, None, :]) & 0xF  # [R, WORDS, 8]
