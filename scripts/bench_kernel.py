@@ -36,7 +36,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from sparse import kernels  # noqa: E402
 from sparse.format import pack  # noqa: E402
-from sparse.linear import PROLOGUE_APART_MIN_ROWS, SPMM_MIN_ROWS  # noqa: E402
+from sparse.linear import PROLOGUE_APART_MIN_ROWS, spmm_min_rows  # noqa: E402
 
 SHAPES = {  # (layer, out_features, in_features); qkv and w13 fused as in model.py
     "Llama-3.1-8B": [("qkv", 6144, 4096), ("o", 4096, 4096), ("w13", 28672, 4096), ("w2", 4096, 14336)],
@@ -141,7 +141,7 @@ def pack_x_ab(models, batches) -> list:
     """The SpMV with x shuffled one row per register against two rows per register (bf16 pairs,
     kernels.packs_x), each with its own autotuned config, plain, with the layer's fused prologue
     and epilogue (DECODE_FUSION, up to 8 rows) and with the prologue as a kernel of its own
-    (unfused_sparse_call), the tensor-core SpMM from 9 rows, and cuBLAS; each plain SpMV's output
+    (unfused_sparse_call), the tensor-core SpMM from spmm_min_rows(2:4) rows, and cuBLAS; each plain SpMV's output
     checked against float64 first."""
     from sparse import spmm
     from sparse.format import unpack
@@ -169,13 +169,13 @@ def pack_x_ab(models, batches) -> list:
                 row[f"{name}_config"], row[f"{name}_error"] = list(config), error
                 row[f"{name}_us"] = kernels.time_in_cuda_graph(
                     [lambda v=v, m=m: kernels.spmv(x, v, m, config=config, pack_x=pack_x) for v, m in packed])
-                if batch < SPMM_MIN_ROWS:
+                if batch < spmm_min_rows(two_of_four=True):
                     row[f"{name}_fused_us"] = kernels.time_in_cuda_graph(
                         [fused_sparse_call(layer, batch, v, m, pack_x) for v, m in packed])
                     if has_prologue(layer):  # o has none
                         row[f"{name}_unfused_us"] = kernels.time_in_cuda_graph(
                             [unfused_sparse_call(layer, batch, v, m, pack_x) for v, m in packed])
-            if batch >= SPMM_MIN_ROWS:
+            if batch >= spmm_min_rows(two_of_four=True):
                 row["spmm_us"] = kernels.time_in_cuda_graph([lambda v=v, m=m: spmm.spmm(x, v, m) for v, m in packed])
             rows.append(row)
             print(f"{layer} {out_features}x{in_features} b{batch}: cuBLAS {row['dense_us']:.1f}  plain "
@@ -269,7 +269,7 @@ def bench_shape(out_features, in_features, batch, pattern, with_semi=True, layer
     packed = [(values, mask)] + [(values.clone(), mask.clone()) for _ in range(kernels.copies_for(sparse_bytes) - 1)]
     sparse_us = kernels.time_in_cuda_graph([sparse_call(x, v, m) for v, m in packed])
     fused_us = None
-    if layer in DECODE_FUSION and batch < SPMM_MIN_ROWS:  # the rows a decode step fuses (SparseLinear.fuses)
+    if layer in DECODE_FUSION and batch < spmm_min_rows(parse_pattern(pattern) == (2, 4)):  # the rows a decode step fuses (SparseLinear.fuses)
         decode_call = unfused_sparse_call if has_prologue(layer) and batch >= PROLOGUE_APART_MIN_ROWS else fused_sparse_call
         fused_us = kernels.time_in_cuda_graph([decode_call(layer, batch, v, m) for v, m in packed])
     del packed

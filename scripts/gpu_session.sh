@@ -41,13 +41,15 @@
 #                   takes ~2.3 min cold, ~50 s with the compile caches warm, so one cold call of 560 s
 #                   holds 3 processes, not 4; measured 2026-12-03: apart costs 0.14 ms a step)
 #   decode_prologue_ab_b23  the same at batch 2 and 3: this tree against the prologue apart from 2 rows (~5)
-#   decode_attention_off_b48  Llama-3.1-8B 2:4 at batch 4 and 8, one process each (decode_variants.sh): this tree
-#                   (RoPE, KV write and the splits' merge inside the attention, on since session 15), then the
-#                   merge off, then both off: the fusions were measured at batch 1 only (~7 cold)
+#   decode_attention_off_b48  Llama-3.1-8B 2:4 at batch 4 and 8 with --profile, one process each (decode_variants.sh):
+#                   this tree, the SpMV at 8 rows (2:4 takes the SpMM from 8 since session 16), the attention's merge
+#                   off, both attention fusions off (~8; the last variant did not fit one call, 2026-12-03)
+#   decode_attention_programs_b48  Llama-3.1-8B dense and 2:4 at batch 4 and 8 with --profile: this tree, then
+#                   the attention's grid aimed at 1056 programs instead of 264 (more, shorter splits) (~8)
 #   dense_spread    dense_spread.sh: our dense at batch 1 three times, each with a fresh Inductor cache, and
 #                   the GEMV configs each process's coordinate descent picked (~7)
-#   decode_spmm_ab_b8  Llama-3.1-8B 2:4 at batch 8: this tree against the tensor-core SpMM from 8 rows
-#                   (SPMM_MIN_ROWS = 8; 2:4 tiles expand by nibble since session 15) (~5)
+#   decode_spmm_ab_b8  Llama-3.1-8B 2:4 at batch 8: this tree (the tensor-core SpMM from 8 rows for 2:4) against
+#                   the SpMV at 8 rows, in alternating copies of the tree (decode_ab.sh) (~5)
 #   decode_qwen3    Qwen3-8B and -14B, dense and 2:4, batch 1 (~9); Qwen3-32B is a job of its own:
 #   decode_qwen3_32b
 #   prune_8b        bench_prune.py: SparseGPT 2:4, 262,144 decode tokens on Llama-3.1-8B (~7.5)
@@ -70,7 +72,8 @@ DECODE="python3 scripts/bench_decode.py"
 PRUNE_8B="python3 scripts/bench_prune.py --model Llama-3.1-8B --batch_size 128 --max_new_tokens 512 --prompt_lengths 64:512 --no_write --json \$JOB/bench_prune.json"
 NO_MERGE="decode_attention.py:s/^MERGE_IN_LAST_SPLIT = True/MERGE_IN_LAST_SPLIT = False/"
 NO_ROPE="decode_attention.py:s/^FUSE_ROPE_AND_CACHE_WRITE = True/FUSE_ROPE_AND_CACHE_WRITE = False/"
-SPMM8="sparse/linear.py:s/^SPMM_MIN_ROWS = 9/SPMM_MIN_ROWS = 8/"
+NO_SPMM8="sparse/linear.py:s/^SPMM_MIN_ROWS_2OF4 = 8/SPMM_MIN_ROWS_2OF4 = 9/"
+PROGRAMS1056="decode_attention.py:s/^PROGRAMS_TARGET = 264 /PROGRAMS_TARGET = 1056 /"
 declare -A JOBS=(
   [gpu_tests]="python3 -m pytest -v -m gpu tests"
   [kernel_table_b1_prefill]="python3 scripts/bench_kernel.py --batches 2048,1 --out-md \$JOB/table.md --out-json \$JOB/bench.json"
@@ -93,9 +96,10 @@ declare -A JOBS=(
   [decode_b1_ours]="$DECODE --models Llama-3.1-8B --patterns dense,2:4 --batch_sizes 1 --profile --out \$JOB"
   [decode_b1_patterns]="$DECODE --models Llama-3.1-8B --patterns dense,4:8,8:16,16:32 --batch_sizes 1 --out \$JOB"
   [decode_prologue_ab_b1]="OUT=\$JOB bash scripts/decode_ab.sh 'sparse/linear.py:s/^PROLOGUE_APART_MIN_ROWS = 4/PROLOGUE_APART_MIN_ROWS = 1/' 1 1 -- --models Llama-3.1-8B --patterns 2:4"
-  [decode_attention_off_b48]="OUT=\$JOB bash scripts/decode_variants.sh 1 'on=' 'no_merge=$NO_MERGE' 'off=$NO_MERGE;$NO_ROPE' -- --models Llama-3.1-8B --patterns 2:4 --batch_sizes 4,8"
+  [decode_attention_off_b48]="OUT=\$JOB bash scripts/decode_variants.sh 1 'on=' 'spmv8=$NO_SPMM8' 'no_merge=$NO_MERGE' 'off=$NO_MERGE;$NO_ROPE' -- --models Llama-3.1-8B --patterns 2:4 --batch_sizes 4,8 --profile"
+  [decode_attention_programs_b48]="OUT=\$JOB bash scripts/decode_variants.sh 1 'base=' 'programs1056=$PROGRAMS1056' -- --models Llama-3.1-8B --patterns dense,2:4 --batch_sizes 4,8 --profile"
   [dense_spread]="OUT=\$JOB bash scripts/dense_spread.sh 3"
-  [decode_spmm_ab_b8]="OUT=\$JOB bash scripts/decode_ab.sh '$SPMM8' 1 8 -- --models Llama-3.1-8B --patterns 2:4"
+  [decode_spmm_ab_b8]="OUT=\$JOB bash scripts/decode_ab.sh '$NO_SPMM8' 1 8 -- --models Llama-3.1-8B --patterns 2:4"
   [decode_prologue_ab_b23]="OUT=\$JOB bash scripts/decode_ab.sh 'sparse/linear.py:s/^PROLOGUE_APART_MIN_ROWS = 4/PROLOGUE_APART_MIN_ROWS = 2/' 1 2,3 -- --models Llama-3.1-8B --patterns 2:4"
   [decode_batches]="$DECODE --models Llama-3.1-8B --patterns dense,2:4 --batch_sizes 4,8 --deadline_s 500 --out \$JOB"
   [decode_qwen3]="$DECODE --models Qwen3-8B,Qwen3-14B --patterns dense,2:4 --batch_sizes 1 --out \$JOB"

@@ -2,7 +2,7 @@
 
 Dispatch of `sparse_matmul` by where it runs and how many rows x has:
 - CUDA (or CPU under TRITON_INTERPRET=1): up to 16 rows -> the CUDA-core SpMV (kernels.spmv),
-  or from SPMM_MIN_ROWS rows on the tensor-core SpMM (spmm.spmm, which expands weight tiles in
+  or from spmm_min_rows rows on the tensor-core SpMM (spmm.spmm, which expands weight tiles in
   registers for tl.dot); more rows (prefill) -> the SpMM if SPMM_PREFILL, else expand the
   weight to dense with a Triton kernel and call cuBLAS. The switches below say why they are set
   as they are.
@@ -23,11 +23,15 @@ from sparse.format import pack, packed_shapes, parse_pattern, unpack
 
 # Where the tensor-core SpMM takes over: the SpMV's FMAs and shuffles grow with the rows of x, the
 # SpMM's expansion does not. Measured on the H200 on the four Llama-3.1-8B shapes, 2:4
-# (docs/KERNEL_NOTES.md, v7, 2026-12-01): at 8 rows the SpMV (0.69-0.77x of cuBLAS) beats the SpMM
-# (0.60-0.66x, session 3), at 16 rows the SpMM (0.52-0.63x) beats the SpMV (0.38-0.47x); 9-15 rows
-# were not timed and go to the SpMM. Prefill stays expand-to-dense + cuBLAS: the SpMM took 5-6x its
-# time at 2048 tokens.
+# (docs/KERNEL_NOTES.md, v7, 2026-12-01): at 8 rows the SpMV (0.69-0.77x of cuBLAS) beat the SpMM
+# with the gather expansion (0.60-0.66x, session 3), at 16 rows the SpMM (0.52-0.63x) beat the SpMV
+# (0.38-0.47x); 9-15 rows were not timed and go to the SpMM. Since the 2:4 tiles expand by nibble
+# (spmm.EXPAND_2OF4_BY_NIBBLE), 2:4 switches at 8 rows: the whole Llama-3.1-8B 2:4 step at batch 8
+# went 5.668 -> 5.305 ms, the 128 SpMV calls 4398 us -> 4059 us of SpMM (H200, one process each,
+# docs/BENCHMARKS.md session 16). The other patterns still expand by gather: not re-timed, kept at 9.
+# Prefill stays expand-to-dense + cuBLAS: the SpMM took 5-6x its time at 2048 tokens.
 SPMM_MIN_ROWS = 9
+SPMM_MIN_ROWS_2OF4 = 8
 SPMM_PREFILL = False
 # From this many rows of x the prologue (RMSNorm, silu(gate) * up) runs as its own small kernel
 # before the SpMV, which then only fuses the residual: inside the SpMV every row block repeats the
@@ -54,11 +58,16 @@ def _bitmask_matmul(x: Tensor, values: Tensor, mask: Tensor, norm_weight: Option
         return kernels.spmv(x, values, mask, norm_weight=norm_weight, norm_eps=norm_eps, residual=residual,
                             gated=gated)
     if rows <= kernels.MAX_SPMV_BATCH:
-        return kernels.spmv(x, values, mask) if rows < SPMM_MIN_ROWS else spmm.spmm(x, values, mask,
-                                                                                    two_of_four=two_of_four)
+        return (kernels.spmv(x, values, mask) if rows < spmm_min_rows(two_of_four)
+                else spmm.spmm(x, values, mask, two_of_four=two_of_four))
     if SPMM_PREFILL:
         return spmm.spmm(x, values, mask, two_of_four=two_of_four)
     return F.linear(x, kernels.unpack_to_dense(values, mask).to(x.dtype))
+
+
+def spmm_min_rows(two_of_four: bool) -> int:
+    """The rows of x from which a decode-sized matmul goes to the SpMM instead of the SpMV."""
+    return SPMM_MIN_ROWS_2OF4 if two_of_four else SPMM_MIN_ROWS
 
 
 @_bitmask_matmul.register_fake
@@ -126,7 +135,7 @@ class SparseLinear(nn.Module):
         whether it should also take the norm or silu(gate) * up (fewer than PROLOGUE_APART_MIN_ROWS
         rows)."""
         rows = x.numel() // x.shape[-1]
-        return (not _without_kernels(x) and rows < min(SPMM_MIN_ROWS, RESIDUAL_APART_MIN_ROWS)
+        return (not _without_kernels(x) and rows < min(spmm_min_rows(self.two_of_four), RESIDUAL_APART_MIN_ROWS)
                 and (not prologue or rows < PROLOGUE_APART_MIN_ROWS))
 
     def forward(self, x: Tensor, norm: nn.Module = None, residual: Tensor = None, gated: bool = False) -> Tensor:
@@ -137,7 +146,11 @@ class SparseLinear(nn.Module):
         if _without_kernels(x) and norm is None and residual is None and not gated:
             return F.linear(x, self._unpacked_for_cpu().to(x.dtype))
         return sparse_matmul(x, self.values, self.mask, None if norm is None else norm.weight,
-                             0.0 if norm is None else norm.eps, residual, gated, parse_pattern(self.pattern) == (2, 4))
+                             0.0 if norm is None else norm.eps, residual, gated, self.two_of_four)
+
+    @property
+    def two_of_four(self) -> bool:
+        return parse_pattern(self.pattern) == (2, 4)
 
     def _unpacked_for_cpu(self) -> Tensor:
         """The CPU has no sparse kernel (it is the correctness path: calibration, evaluation), and

@@ -44,7 +44,6 @@ def test_spmm_matches_float64(pattern, tokens):
 @interpreted
 def test_sparse_linear_dispatch_to_spmm(monkeypatch):
     from sparse import SparseLinear, linear
-    monkeypatch.setattr(linear, "SPMM_MIN_ROWS", 8)  # the switches as they would be once measured
     monkeypatch.setattr(linear, "SPMM_PREFILL", True)
     calls = []  # whether each SpMM call was told that W is 2:4
     monkeypatch.setattr(spmm, "spmm", lambda *args, _spmm=spmm.spmm, **kwargs:
@@ -53,10 +52,10 @@ def test_sparse_linear_dispatch_to_spmm(monkeypatch):
         calls.clear()
         layer = SparseLinear.from_dense(torch.randn(24, 64), pattern)
         dense = unpack(layer.values, layer.mask).double()
-        for rows in [1, 8, 16, 40]:  # spmv, then spmm for a batch, a full MMA tile and a prefill
+        for rows in [1, 8, 16, 40]:  # spmv; 8 rows: the SpMM for 2:4 only; a full MMA tile; a prefill
             x = torch.randn(rows, 64)
             assert relative_error(layer(x), x.double() @ dense.T) < 1e-6
-        assert calls == [pattern == "2:4"] * 3
+        assert calls == {"8:16": [False] * 2, "2:4": [True] * 3}[pattern]
 
 
 def permute_bytes(pair: int, selector: int) -> int:
