@@ -217,6 +217,7 @@ def bench_model(name: str, sparse_patterns: list, remaining, args, rows: list):
                 row["speedup"] = 1.0
             else:
                 row["spmv_configs"] = tuned_spmv_configs(batch_size)
+                row["spmm_configs"] = tuned_spmm_configs(batch_size)
             rows.append(row)
             print(json.dumps(row), flush=True)
     free(model)
@@ -229,6 +230,14 @@ def tuned_spmv_configs(batch_size: int) -> dict:
     return {f"{n_rows}x{32 * n_words}{' packed x' if pack_x else ''}{' ' + fusion if fusion else ''}": list(config)
             for (n_rows, n_words, batch, _, pack_x, fusion, _), config in kernels._tuned_configs.items()
             if batch == 1 << (batch_size - 1).bit_length()}
+
+
+def tuned_spmm_configs(batch_size: int) -> dict:
+    """The same for the tensor-core SpMM (decode batches from sparse.linear.spmm_min_rows rows)."""
+    from sparse import spmm
+    return {f"{n_rows}x{32 * n_words}{' 2:4' if two_of_four else ''}": list(config)
+            for (n_rows, n_words, tokens, _, _, two_of_four), config in spmm._tuned_configs.items()
+            if tokens == batch_size}
 
 
 def bench_gptfast(name: str, dense_step_s: dict, remaining, args, rows: list):

@@ -535,19 +535,25 @@ def spmv_config(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, pack_
         elif torch.cuda.is_current_stream_capturing():
             return configs[0]  # cannot time inside a graph capture; warm up first to get the tuned one
         else:
-            nbytes = values.numel() * values.element_size() + mask.numel() * 4
-            copies = [(values, mask)] + [(values.clone(), mask.clone()) for _ in range(copies_for(nbytes) - 1)]
             batch, in_features = x.shape[0], n_words * 32
             x = torch.randn(batch, x.shape[1], dtype=x.dtype, device=x.device)
             operands = dict(gated=gated, pack_x=pack_x, norm_eps=1e-5,
                             norm_weight=torch.ones(in_features, dtype=x.dtype, device=x.device) if norm else None,
                             residual=torch.zeros(batch, n_rows, dtype=x.dtype, device=x.device) if residual else None)
-            timings = [time_in_cuda_graph([lambda v=v, m=m, c=c: spmv(x, v, m, config=c, **operands)
-                                           for v, m in copies],
-                                          target_ms=1.0, replays=9) for c in configs]
-            del copies
-            _tuned_configs[key] = configs[timings.index(min(timings))]
+            _tuned_configs[key] = fastest_in_cuda_graph(
+                configs, values, mask, lambda config, v, m: spmv(x, v, m, config=config, **operands))
     return _tuned_configs[key]
+
+
+def fastest_in_cuda_graph(configs, values: torch.Tensor, mask: torch.Tensor, run):
+    """The config c of `configs` for which run(c, values, mask) is fastest, each timed in a CUDA
+    graph rotating over copies of the packed weight that together exceed the L2 three times (so
+    they stream from DRAM, as in a decode step). The SpMV's and the SpMM's tuners both use it."""
+    nbytes = values.numel() * values.element_size() + mask.numel() * 4
+    copies = [(values, mask)] + [(values.clone(), mask.clone()) for _ in range(copies_for(nbytes) - 1)]
+    timings = [time_in_cuda_graph([lambda v=v, m=m, c=c: run(c, v, m) for v, m in copies], target_ms=1.0, replays=9)
+               for c in configs]
+    return configs[timings.index(min(timings))]
 
 
 def packs_x(x: torch.Tensor) -> bool:

@@ -75,3 +75,14 @@ def test_the_tuned_spmv_configs_of_one_batch_size_are_reported(monkeypatch):
     assert bench_decode.tuned_spmv_configs(3) == {"4096x4096 residual": [32, 4, 1]}  # 3 rows run as 4
     assert bench_decode.tuned_spmv_configs(8) == {"28672x4096 packed x norm": [16, 8, 1]}
     assert bench_decode.tuned_spmv_configs(1) == {"4096x14336": [32, 14, 1]}
+
+
+def test_the_tuned_spmm_configs_of_one_batch_size_are_reported(monkeypatch):
+    import torch
+    from sparse import spmm
+    tuned = {(28672, 128, 8, torch.bfloat16, torch.device("cuda:0"), True): (128, 16, 2, 4, 8),
+             (4096, 448, 8, torch.bfloat16, torch.device("cuda:0"), False): (256, 16, 1, 8, 14),
+             (4096, 128, 16, torch.bfloat16, torch.device("cuda:0"), True): (128, 16, 1, 4, 4)}
+    monkeypatch.setattr(spmm, "_tuned_configs", tuned)
+    assert bench_decode.tuned_spmm_configs(8) == {"28672x4096 2:4": [128, 16, 2, 4, 8], "4096x14336": [256, 16, 1, 8, 14]}
+    assert bench_decode.tuned_spmm_configs(4) == {}
