@@ -235,8 +235,8 @@ def tuned_spmv_configs(batch_size: int) -> dict:
 def tuned_spmm_configs(batch_size: int) -> dict:
     """The same for the tensor-core SpMM (decode batches from sparse.linear.spmm_min_rows rows)."""
     from sparse import spmm
-    return {f"{n_rows}x{32 * n_words}{' 2:4' if two_of_four else ''}": list(config)
-            for (n_rows, n_words, tokens, _, _, two_of_four), config in spmm._tuned_configs.items()
+    return {f"{n_rows}x{32 * n_words}{' 2:4' if two_of_four else ''}{' prefetched' if prefetched else ''}": list(config)
+            for (n_rows, n_words, tokens, _, _, two_of_four, prefetched), config in spmm._tuned_configs.items()
             if tokens == batch_size}
 
 

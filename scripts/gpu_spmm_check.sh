@@ -2,7 +2,7 @@
 # One device call for the tensor-core SpMM (sparse/spmm.py): its GPU tests, timings on the
 # Llama-3.1-8B shapes at batch 4/8/16 and a 2048-token prefill against kernels.spmv, the
 # prefill's expand + cuBLAS and cuBLAS bf16 F.linear, for 2:4 both expansions (gather; nibble:
-# spmm.EXPAND_2OF4_BY_NIBBLE), and the registers/spills of every compiled SpMM variant. Details go
+# spmm.EXPAND_2OF4_BY_NIBBLE, and up to 16 rows nibble with spmm.PREFETCH_2OF4_PAIRS), and the registers/spills of every compiled SpMM variant. Details go
 # to $OUT (the device tool's output folder) or ./runs/gpu_spmm: check.log, pytest.log,
 # spmm_bench.json, spmm_*.sass; the table is printed last. Stages: tests bench (default both); the
 # whole call takes ~3-4 min, mostly compiling and autotuning. (Session 14 fixed the bench's imports,
@@ -61,6 +61,12 @@ for out_features, in_features in SHAPES:
                 row["nibble_config"] = spmm.spmm_config(x, values, mask, two_of_four=True)
                 row["spmm_nibble_us"] = kernels.time_in_cuda_graph(
                     [lambda v=v, m=m: spmm.spmm(x, v, m, two_of_four=True) for v, m in packed])
+                if batch <= kernels.MAX_SPMV_BATCH:  # and with the pairs loaded a step ahead (tuned apart)
+                    prefetch, spmm.PREFETCH_2OF4_PAIRS = spmm.PREFETCH_2OF4_PAIRS, True
+                    row["prefetch_config"] = spmm.spmm_config(x, values, mask, two_of_four=True)
+                    row["spmm_prefetch_us"] = kernels.time_in_cuda_graph(
+                        [lambda v=v, m=m: spmm.spmm(x, v, m, two_of_four=True) for v, m in packed])
+                    spmm.PREFETCH_2OF4_PAIRS = prefetch
                 spmm.EXPAND_2OF4_BY_NIBBLE = default
             if batch <= kernels.MAX_SPMV_BATCH:
                 row["spmv_us"] = kernels.time_in_cuda_graph([lambda v=v, m=m: kernels.spmv(x, v, m) for v, m in packed])
@@ -87,13 +93,15 @@ for cache in spmm._spmm_kernel.device_caches.values():
             print("    no sass:", e)
 
 dense = {(r["out"], r["inp"], r["batch"]): r["dense_us"] for r in rows if "dense_us" in r}
-print("\n| out×in | pattern | batch | SpMM µs | config | 2:4 nibble SpMM µs | SpMV µs | expand+cuBLAS µs | cuBLAS µs | SpMM speedup | nibble SpMM speedup | SpMV (b<=16) or expand+cuBLAS speedup |")
-print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+print("\n| out×in | pattern | batch | SpMM µs | config | 2:4 nibble SpMM µs | nibble, pairs prefetched µs | SpMV µs | expand+cuBLAS µs | cuBLAS µs | SpMM speedup | nibble SpMM speedup | prefetched speedup | SpMV (b<=16) or expand+cuBLAS speedup |")
+print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 for r in rows:
     d = dense[(r["out"], r["inp"], r["batch"])]
     other = r.get("spmv_us") or r.get("expand_cublas_us")
     nibble = r.get("spmm_nibble_us", float("nan"))
+    prefetched = r.get("spmm_prefetch_us", float("nan"))
     print(f"| {r['out']}×{r['inp']} | {r['pattern']} | {r['batch']} | {r['spmm_us']:.1f} | {r['config']} | "
-          f"{nibble:.1f} | {r.get('spmv_us', float('nan')):.1f} | {r.get('expand_cublas_us', float('nan')):.1f} | "
-          f"{d:.1f} | {d / r['spmm_us']:.2f}× | {d / nibble:.2f}× | {d / other:.2f}× |")
+          f"{nibble:.1f} | {prefetched:.1f} | {r.get('spmv_us', float('nan')):.1f} | "
+          f"{r.get('expand_cublas_us', float('nan')):.1f} | {d:.1f} | {d / r['spmm_us']:.2f}× | {d / nibble:.2f}× | "
+          f"{d / prefetched:.2f}× | {d / other:.2f}× |")
 PY

@@ -36,6 +36,10 @@ gather is over the 17.7 the bytes allow; 8.75 is well under it). On the H200 the
 shapes at 16 rows ran 0.62-0.89x of cuBLAS with it against 0.45-0.50x with the gather
 (EXPAND_2OF4_BY_NIBBLE, on).
 
+With PREFETCH_2OF4_PAIRS the 2:4 value pairs are loaded with the mask words, a step before their
+expansion, so that no trip waits on its own loads (statically 126 registers against 86; not yet
+timed: docs/KERNEL_NOTES.md, session 16).
+
 Where the grid would be too small to fill the GPU, K is split over programs; their fp32
 partial sums meet in the workspace that `kernels.spmv` also uses (`_store_or_reduce`).
 `INTERPRETER_SAFE` (a constexpr) swaps libdevice popc for the SWAR `kernels._popcount`, so the
@@ -55,6 +59,12 @@ MMA_TOKENS = 16  # the smallest token tile: the MMA's N
 # against 27.0 (docs/KERNEL_NOTES.md, session 14); on the H200 the Llama-3.1-8B shapes at 16 rows
 # ran 0.62-0.89x of cuBLAS against the gather's 0.45-0.50x (docs/BENCHMARKS.md, session 15).
 EXPAND_2OF4_BY_NIBBLE = True
+# With the nibble expansion, load a step's value pairs together with its mask words, one K step
+# before they are expanded (a 2:4 tile's pairs sit at fixed offsets, no word needed to find them),
+# instead of in the step that expands them. The SASS of the loop (kernel_sass.compile_spmm) had each
+# pair's LDG.128 ~57 instructions before its first PRMT, in the same trip: every trip waited on one
+# DRAM round trip. Off until timed on the GPU (docs/KERNEL_NOTES.md, session 16).
+PREFETCH_2OF4_PAIRS = False
 
 
 @triton.jit
@@ -130,20 +140,25 @@ def _permute_bytes(pair, selector):
 
 
 @triton.jit
-def _expand_tile_2of4(values_ptr, words, k, rows, n_rows, CHUNK: tl.constexpr, WORDS: tl.constexpr,
-                      INTERPRETER_SAFE: tl.constexpr):
-    """`_expand_tile` for a 2:4 weight, without a gather: nibble j of a word keeps exactly two
-    columns, whose values a, b are the word's kept values 2j and 2j + 1, one 32-bit pair ab. Of
-    the nibble's column pairs, (0, 1) is ab, (a, 0), (0, a) or 0 and (2, 3) is 0, (b, 0), (0, b) or
-    ab, read off the nibble's bits: one byte permute each on the GPU (selectors above), a shift and
-    a mask each under the interpreter (no inline PTX there)."""
-    R: tl.constexpr = rows.shape[0]
+def _load_pairs_2of4(values_ptr, k, rows, n_rows, word_ok, CHUNK: tl.constexpr, WORDS: tl.constexpr):
+    """The kept values of mask words k .. k+WORDS-1 of a 2:4 weight's rows as 32-bit pairs [R, WORDS, 8]:
+    pair j of a word holds the two values of its nibble j. Zero where word_ok [R, WORDS] is false."""
     pairs = tl.arange(0, 8)
     slot_offsets = (((k + tl.arange(0, WORDS)) * (16 // CHUNK) * n_rows)[None, :] + rows[:, None]) * (CHUNK // 2)
     pair_offsets = (pairs // (CHUNK // 2)) * (n_rows * CHUNK // 2) + pairs % (CHUNK // 2)
     offsets = slot_offsets[:, :, None] + pair_offsets[None, None, :]
-    # Words past the last row or past K are zero (`_load_words`), and a 2:4 word never is.
-    ab = tl.load(values_ptr.to(tl.pointer_type(tl.uint32)) + offsets, mask=(words != 0)[:, :, None], other=0)
+    return tl.load(values_ptr.to(tl.pointer_type(tl.uint32)) + offsets, mask=word_ok[:, :, None], other=0)
+
+
+@triton.jit
+def _expand_tile_2of4(ab, words, WORDS: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
+    """`_expand_tile` for a 2:4 weight, without a gather: nibble j of a word keeps exactly two
+    columns, whose values a, b are the word's kept values 2j and 2j + 1, one 32-bit pair ab
+    (`_load_pairs_2of4`). Of the nibble's column pairs, (0, 1) is ab, (a, 0), (0, a) or 0 and (2, 3)
+    is 0, (b, 0), (0, b) or ab, read off the nibble's bits: one byte permute each on the GPU
+    (selectors above), a shift and a mask each under the interpreter (no inline PTX there)."""
+    R: tl.constexpr = words.shape[0]
+    pairs = tl.arange(0, 8)
     nibbles = (words[:, :, None] >> (4 * pairs)[None, None, :]) & 0xF  # [R, WORDS, 8]
     if INTERPRETER_SAFE:
         low_mask = (nibbles & 1) * 0xFFFF | (nibbles & 2) * 0x7FFF8000
@@ -157,14 +172,35 @@ def _expand_tile_2of4(values_ptr, words, k, rows, n_rows, CHUNK: tl.constexpr, W
         high = _permute_bytes(ab, (high_selectors >> ((nibbles >> 2) * 16).to(tl.uint64)).to(tl.uint32))
     columns = tl.reshape(tl.join(low, high), (R, 16 * WORDS))  # value pairs in column order
     tile = tl.join((columns & 0xFFFF).to(tl.uint16), (columns >> 16).to(tl.uint16))
-    return tl.reshape(tile, (R, 32 * WORDS)).to(values_ptr.dtype.element_ty, bitcast=True)
+    return tl.reshape(tile, (R, 32 * WORDS))
 
 
 @triton.jit
-def _expand(values_ptr, words, k, rows, n_rows, NNZ: tl.constexpr, CHUNK: tl.constexpr, WORDS: tl.constexpr,
-            TWO_OF_FOUR: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
+def _load_step(values_ptr, mask_ptr, k, k_end, rows, row_ok, n_rows, CHUNK: tl.constexpr, WORDS: tl.constexpr,
+               PREFETCH_PAIRS: tl.constexpr):
+    """What a K step reads before its expansion: the mask words, and with PREFETCH_PAIRS (2:4 by
+    nibble) the value pairs too; otherwise `_expand` loads the values itself (pairs is a stand-in)."""
+    words = _load_words(mask_ptr, k, k_end, rows, row_ok, n_rows, WORDS)
+    if PREFETCH_PAIRS:  # the rows and words that exist (past them the words are zero, as below)
+        word_ok = row_ok[:, None] & ((k + tl.arange(0, WORDS)) < k_end)[None, :]
+        pairs = _load_pairs_2of4(values_ptr, k, rows, n_rows, word_ok, CHUNK, WORDS)
+    else:
+        pairs = words
+    return words, pairs
+
+
+@triton.jit
+def _expand(values_ptr, words, pairs, k, rows, n_rows, NNZ: tl.constexpr, CHUNK: tl.constexpr,
+            WORDS: tl.constexpr, TWO_OF_FOUR: tl.constexpr, PREFETCH_PAIRS: tl.constexpr,
+            INTERPRETER_SAFE: tl.constexpr):
+    """Dense W[rows, 32k : 32(k + WORDS)] in W's dtype from what `_load_step` gave for step k."""
     if TWO_OF_FOUR:
-        tile = _expand_tile_2of4(values_ptr, words, k, rows, n_rows, CHUNK, WORDS, INTERPRETER_SAFE)
+        if PREFETCH_PAIRS:
+            ab = pairs
+        else:
+            # Words past the last row or past K are zero (`_load_words`), and a 2:4 word never is.
+            ab = _load_pairs_2of4(values_ptr, k, rows, n_rows, words != 0, CHUNK, WORDS)
+        tile = _expand_tile_2of4(ab, words, WORDS, INTERPRETER_SAFE).to(values_ptr.dtype.element_ty, bitcast=True)
     else:
         tile = _expand_tile(values_ptr, words, k, rows, n_rows, NNZ, CHUNK, WORDS, INTERPRETER_SAFE)
     return tile
@@ -186,7 +222,7 @@ def _multiply_step(acc, tile, x_ptr, tokens, token_ok, k, k_end, n_words, WORDS:
 def _spmm_kernel(x_ptr, values_ptr, mask_ptr, y_ptr, workspace_ptr, arrivals_ptr,
                  n_rows, n_tokens, n_words, words_per_split,
                  NNZ: tl.constexpr, CHUNK: tl.constexpr, BLOCK_OUT: tl.constexpr, BLOCK_TOKENS: tl.constexpr, WORDS: tl.constexpr,
-                 TWO_OF_FOUR: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
+                 TWO_OF_FOUR: tl.constexpr, PREFETCH_PAIRS: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
     """y[tokens, rows] = x[tokens] @ W[rows].T, x (n_tokens, 32 * n_words) and y row-major.
     Grid: (row blocks, token blocks, K splits)."""
     row_block = tl.program_id(0)
@@ -197,17 +233,21 @@ def _spmm_kernel(x_ptr, values_ptr, mask_ptr, y_ptr, workspace_ptr, arrivals_ptr
     k_begin = tl.program_id(2) * words_per_split
     k_end = tl.minimum(k_begin + words_per_split, n_words)
 
-    # Software pipeline: the tile multiplied now was gathered one step ago, from words loaded
-    # two steps ago. The last step is peeled off so that no program expands a tile past its end.
-    tile = _expand(values_ptr, _load_words(mask_ptr, k_begin, k_end, rows, row_ok, n_rows, WORDS),
-                   k_begin, rows, n_rows, NNZ, CHUNK, WORDS, TWO_OF_FOUR, INTERPRETER_SAFE)
-    next_words = _load_words(mask_ptr, k_begin + WORDS, k_end, rows, row_ok, n_rows, WORDS)
+    # Software pipeline: the tile multiplied now was expanded one step ago, from words (and, with
+    # PREFETCH_PAIRS, value pairs) loaded two steps ago. The last step is peeled off so that no
+    # program expands a tile past its end.
+    words, pairs = _load_step(values_ptr, mask_ptr, k_begin, k_end, rows, row_ok, n_rows, CHUNK, WORDS, PREFETCH_PAIRS)
+    tile = _expand(values_ptr, words, pairs, k_begin, rows, n_rows, NNZ, CHUNK, WORDS, TWO_OF_FOUR,
+                   PREFETCH_PAIRS, INTERPRETER_SAFE)
+    next_words, next_pairs = _load_step(values_ptr, mask_ptr, k_begin + WORDS, k_end, rows, row_ok, n_rows, CHUNK,
+                                        WORDS, PREFETCH_PAIRS)
     acc = tl.zeros([BLOCK_OUT, BLOCK_TOKENS], dtype=tl.float32)
     k_last = k_begin + (k_end - k_begin - 1) // WORDS * WORDS
     for k in range(k_begin, k_last, WORDS):
-        next_tile = _expand(values_ptr, next_words, k + WORDS, rows, n_rows, NNZ, CHUNK, WORDS, TWO_OF_FOUR,
-                            INTERPRETER_SAFE)
-        next_words = _load_words(mask_ptr, k + 2 * WORDS, k_end, rows, row_ok, n_rows, WORDS)
+        next_tile = _expand(values_ptr, next_words, next_pairs, k + WORDS, rows, n_rows, NNZ, CHUNK, WORDS,
+                            TWO_OF_FOUR, PREFETCH_PAIRS, INTERPRETER_SAFE)
+        next_words, next_pairs = _load_step(values_ptr, mask_ptr, k + 2 * WORDS, k_end, rows, row_ok, n_rows, CHUNK,
+                                            WORDS, PREFETCH_PAIRS)
         acc = _multiply_step(acc, tile, x_ptr, tokens, token_ok, k, k_end, n_words, WORDS, INTERPRETER_SAFE)
         tile = next_tile
     acc = _multiply_step(acc, tile, x_ptr, tokens, token_ok, k_last, k_end, n_words, WORDS, INTERPRETER_SAFE)
@@ -256,7 +296,7 @@ def spmm_config(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, two_o
     n_words, n_rows = mask.shape
     n_tokens = x.shape[0]
     key = (n_rows, n_words, n_tokens if n_tokens <= MMA_TOKENS else triton.next_power_of_2(n_tokens),
-           values.dtype, x.device, two_of_four)
+           values.dtype, x.device, two_of_four, two_of_four and PREFETCH_2OF4_PAIRS)
     if key not in _tuned_configs:
         configs = candidate_configs(n_rows, n_words, n_tokens)
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -299,5 +339,6 @@ def spmm(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, config=None,
     grid = (row_blocks, triton.cdiv(n_tokens, block_tokens), split)
     _spmm_kernel[grid](x, values, mask, y, workspace, arrivals, n_rows, n_tokens, n_words, words_per_split,
                        NNZ=nnz, CHUNK=values.shape[2], BLOCK_OUT=block_out, BLOCK_TOKENS=block_tokens, WORDS=words,
-                       TWO_OF_FOUR=two_of_four, INTERPRETER_SAFE=INTERPRETING, num_warps=warps)
+                       TWO_OF_FOUR=two_of_four, PREFETCH_PAIRS=two_of_four and PREFETCH_2OF4_PAIRS,
+                       INTERPRETER_SAFE=INTERPRETING, num_warps=warps)
     return y

@@ -80,9 +80,10 @@ def test_the_tuned_spmv_configs_of_one_batch_size_are_reported(monkeypatch):
 def test_the_tuned_spmm_configs_of_one_batch_size_are_reported(monkeypatch):
     import torch
     from sparse import spmm
-    tuned = {(28672, 128, 8, torch.bfloat16, torch.device("cuda:0"), True): (128, 16, 2, 4, 8),
-             (4096, 448, 8, torch.bfloat16, torch.device("cuda:0"), False): (256, 16, 1, 8, 14),
-             (4096, 128, 16, torch.bfloat16, torch.device("cuda:0"), True): (128, 16, 1, 4, 4)}
+    tuned = {(28672, 128, 8, torch.bfloat16, torch.device("cuda:0"), True, True): (128, 16, 2, 4, 8),
+             (4096, 448, 8, torch.bfloat16, torch.device("cuda:0"), False, False): (256, 16, 1, 8, 14),
+             (4096, 128, 16, torch.bfloat16, torch.device("cuda:0"), True, False): (128, 16, 1, 4, 4)}
     monkeypatch.setattr(spmm, "_tuned_configs", tuned)
-    assert bench_decode.tuned_spmm_configs(8) == {"28672x4096 2:4": [128, 16, 2, 4, 8], "4096x14336": [256, 16, 1, 8, 14]}
+    assert bench_decode.tuned_spmm_configs(8) == {"28672x4096 2:4 prefetched": [128, 16, 2, 4, 8],
+                                                  "4096x14336": [256, 16, 1, 8, 14]}
     assert bench_decode.tuned_spmm_configs(4) == {}

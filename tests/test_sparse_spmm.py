@@ -79,9 +79,11 @@ def test_prmt_selectors_expand_every_2of4_nibble():
 
 @interpreted
 @pytest.mark.parametrize("tokens", [4, 40])
-def test_spmm_2of4_nibble_expansion_matches_float64(tokens, monkeypatch):
+@pytest.mark.parametrize("prefetch_pairs", [False, True])  # value pairs loaded in the expanding step, or one before
+def test_spmm_2of4_nibble_expansion_matches_float64(tokens, prefetch_pairs, monkeypatch):
     # bf16 (the expansion moves 32-bit pairs of values); 40 rows, 3 words split 2 + 1, as above.
     monkeypatch.setattr(spmm, "EXPAND_2OF4_BY_NIBBLE", True)
+    monkeypatch.setattr(spmm, "PREFETCH_2OF4_PAIRS", prefetch_pairs)
     seed = case_seed("2:4 nibble", tokens)
     values, mask = random_packed(40, 96, "2:4", seed, dtype=torch.bfloat16)
     reference_weight = unpack(values, mask).double()
@@ -106,9 +108,10 @@ LLAMA_8B_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("out_features,in_features", LLAMA_8B_SHAPES)
-@pytest.mark.parametrize("by_nibble", [False, True])  # the gather expansion; the 2:4 one
-def test_spmm_llama_shapes_bf16(out_features, in_features, by_nibble, monkeypatch):
-    monkeypatch.setattr(spmm, "EXPAND_2OF4_BY_NIBBLE", by_nibble)
+@pytest.mark.parametrize("expansion", ["gather", "nibble", "nibble, pairs prefetched"])
+def test_spmm_llama_shapes_bf16(out_features, in_features, expansion, monkeypatch):
+    monkeypatch.setattr(spmm, "EXPAND_2OF4_BY_NIBBLE", expansion != "gather")
+    monkeypatch.setattr(spmm, "PREFETCH_2OF4_PAIRS", expansion.endswith("prefetched"))
     values, mask = random_packed(out_features, in_features, "2:4", 0, device="cuda", dtype=torch.bfloat16)
     reference_weight = unpack(values, mask).double()
     for tokens in (4, 8, 16, 2048):
