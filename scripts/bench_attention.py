@@ -1,0 +1,146 @@
+"""GPU benchmark of the decode-attention kernel (decode_attention.py) alone, as a decode step calls it.
+
+A whole-model A/B of one attention setting costs a fresh compiled process (~1-2 minutes on the
+H200); this times the kernel for many settings in one: the grid's program target
+(`PROGRAMS_TARGET`: how many splits the cache is cut into), the slots a program walks per block
+(`BLOCK_SLOTS`) and the merge in the last split (`MERGE_IN_LAST_SPLIT`), at each batch size and
+cache length, with RoPE and the KV write inside (`decode_attention_with_cache_write`, the model's
+path). Every slot of the cache is in use (the new token at the last slot), the worst case of a
+decode step at that length.
+
+Timing as for the SpMV (sparse.kernels.time_in_cuda_graph): calls recorded into one CUDA graph,
+rotating over enough copies of the KV cache ("layers") to miss the 60 MB L2, as a step's 32 layers
+do. GB/s counts the K and V bytes read (batch x KV heads x slots x head_dim x 2 x 2 bytes).
+Each setting's output is checked against float32 attention over the cache it wrote.
+
+    python scripts/bench_attention.py --batches 1,4,8,16 --slots 768,4096 --out-md runs/attention.md
+"""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import decode_attention  # noqa: E402
+from model import apply_rope, precompute_rope  # noqa: E402
+from sparse import kernels  # noqa: E402
+
+HEADS = {"Llama-3.1-8B": (32, 8, 128), "Qwen3-14B": (40, 8, 128), "Qwen3-32B": (64, 8, 128)}  # q, KV heads, dim
+
+
+def attention_case(batch: int, n_heads: int, n_kv_heads: int, head_dim: int, slots: int, device="cuda",
+                   dtype=torch.bfloat16, seed: int = 0) -> tuple:
+    """One layer's decode-step operands, in decode_attention_with_cache_write's order, with every
+    slot attended and the new token written at the last one."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    randn = lambda *shape: torch.randn(*shape, generator=generator, device=device, dtype=dtype)  # noqa: E731
+    cos, sin = (table[slots - 1].to(device).expand(batch, head_dim).contiguous()
+                for table in precompute_rope(slots, head_dim, 500000.0))
+    write_slot = torch.tensor([slots - 1], device=device)
+    keep = torch.ones(batch, slots, dtype=torch.bool, device=device)
+    return (randn(batch, n_heads, head_dim), randn(batch, n_kv_heads, head_dim), randn(batch, n_kv_heads, head_dim),
+            cos, sin, write_slot, randn(batch, n_kv_heads, slots, head_dim), randn(batch, n_kv_heads, slots, head_dim),
+            keep)
+
+
+def reference_attention(case: tuple) -> torch.Tensor:
+    """float32 softmax attention of the RoPE-rotated q over the caches as the kernel left them."""
+    q, _, _, cos, sin, _, k_cache, v_cache, keep = case
+    n_heads, n_kv_heads = q.shape[1], k_cache.shape[1]
+    q = apply_rope(q[:, None], cos[:, None], sin[:, None])[:, 0].float()
+    k = k_cache.float().repeat_interleave(n_heads // n_kv_heads, dim=1)
+    v = v_cache.float().repeat_interleave(n_heads // n_kv_heads, dim=1)
+    scores = torch.einsum("bhd,bhsd->bhs", q, k) * q.shape[-1] ** -0.5
+    scores = scores.masked_fill(~keep[:, None], float("-inf"))
+    return torch.einsum("bhs,bhsd->bhd", scores.softmax(dim=-1), v)
+
+
+def with_settings(programs_target: int, block_slots: int, merge: bool):
+    """Set the kernel's module switches (read at every call) and return the previous ones."""
+    previous = (decode_attention.PROGRAMS_TARGET, decode_attention.BLOCK_SLOTS, decode_attention.MERGE_IN_LAST_SPLIT)
+    decode_attention.PROGRAMS_TARGET, decode_attention.BLOCK_SLOTS = programs_target, block_slots
+    decode_attention.MERGE_IN_LAST_SPLIT = merge
+    return previous
+
+
+def bench(models, batches, slot_counts, targets, blocks, merges) -> list:
+    rows = []
+    for model in models:
+        n_heads, n_kv_heads, head_dim = HEADS[model]
+        for slots in slot_counts:
+            for batch in batches:
+                kv_bytes = 2 * batch * n_kv_heads * slots * head_dim * 2
+                layers = [attention_case(batch, n_heads, n_kv_heads, head_dim, slots, seed=layer)
+                          for layer in range(kernels.copies_for(kv_bytes))]
+                for target in targets:
+                    for block in blocks:
+                        for merge in merges:
+                            previous = with_settings(target, block, merge)
+                            try:
+                                out = decode_attention.decode_attention_with_cache_write(*layers[0])
+                                error = float((out.float() - reference_attention(layers[0])).norm()
+                                              / reference_attention(layers[0]).norm())
+                                if not error < 1e-2:
+                                    raise AssertionError(f"{model} b{batch} {slots} slots, target {target}, block "
+                                                         f"{block}, merge {merge}: relative error {error:.2e}")
+                                us = kernels.time_in_cuda_graph(
+                                    [lambda c=c: decode_attention.decode_attention_with_cache_write(*c) for c in layers])
+                            finally:
+                                with_settings(*previous)
+                            row = dict(model=model, batch=batch, slots=slots, programs_target=target, block_slots=block,
+                                       merge_in_last_split=merge, us=round(us, 2), gb_s=round(kv_bytes / us / 1e3),
+                                       error=error)
+                            rows.append(row)
+                            print(json.dumps(row), flush=True)
+                del layers
+                torch.cuda.empty_cache()
+    return rows
+
+
+def markdown_table(rows: list) -> str:
+    """One line per (model, slots, batch): the committed setting's time, and the fastest setting."""
+    committed = (decode_attention.PROGRAMS_TARGET, decode_attention.BLOCK_SLOTS, decode_attention.MERGE_IN_LAST_SPLIT)
+    lines = ["| model | slots | batch | committed µs (GB/s) | fastest µs (GB/s) | its target / block / merge |",
+             "|---|---|---|---|---|---|"]
+    cases = sorted({(r["model"], r["slots"], r["batch"]) for r in rows})
+    for case in cases:
+        group = [r for r in rows if (r["model"], r["slots"], r["batch"]) == case]
+        best = min(group, key=lambda r: r["us"])
+        base = [r for r in group if (r["programs_target"], r["block_slots"], r["merge_in_last_split"]) == committed]
+        base_text = f"{base[0]['us']:.2f} ({base[0]['gb_s']})" if base else "not timed"
+        lines.append(f"| {case[0]} | {case[1]} | {case[2]} | {base_text} | {best['us']:.2f} ({best['gb_s']}) | "
+                     f"{best['programs_target']} / {best['block_slots']} / {best['merge_in_last_split']} |")
+    return "\n".join(lines)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", default="Llama-3.1-8B", help="comma-separated subset of " + ", ".join(HEADS))
+    p.add_argument("--batches", default="1,4,8,16")
+    p.add_argument("--slots", default="768,4096", help="cache lengths (all slots in use)")
+    p.add_argument("--targets", default="132,264,528,1056", help="PROGRAMS_TARGET values")
+    p.add_argument("--blocks", default="16,32,64", help="BLOCK_SLOTS values")
+    p.add_argument("--merges", default="1", help="MERGE_IN_LAST_SPLIT values (1, 0 or 1,0)")
+    p.add_argument("--out-md", type=Path)
+    p.add_argument("--out-json", type=Path)
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_attention.py: needs a CUDA GPU")
+    ints = lambda text: [int(v) for v in text.split(",")]  # noqa: E731
+    unknown = [m for m in args.models.split(",") if m not in HEADS]
+    if unknown:
+        sys.exit(f"bench_attention.py: unknown model {unknown[0]!r} (known: {', '.join(HEADS)})")
+    rows = bench(args.models.split(","), ints(args.batches), ints(args.slots), ints(args.targets), ints(args.blocks),
+                 [bool(v) for v in ints(args.merges)])
+    table = markdown_table(rows)
+    print(table)
+    for path, text in ((args.out_json, json.dumps(rows, indent=1)), (args.out_md, table + "\n")):
+        if path:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
