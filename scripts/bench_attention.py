@@ -79,9 +79,9 @@ def bench(models, batches, slot_counts, targets, blocks, merges) -> list:
                         for merge in merges:
                             previous = with_settings(target, block, merge)
                             try:
-                                out = decode_attention.decode_attention_with_cache_write(*layers[0])
-                                error = float((out.float() - reference_attention(layers[0])).norm()
-                                              / reference_attention(layers[0]).norm())
+                                out = decode_attention.decode_attention_with_cache_write(*layers[0]).float()
+                                reference = reference_attention(layers[0])
+                                error = float((out - reference).norm() / reference.norm())
                                 if not error < 1e-2:
                                     raise AssertionError(f"{model} b{batch} {slots} slots, target {target}, block "
                                                          f"{block}, merge {merge}: relative error {error:.2e}")

@@ -108,7 +108,7 @@ LLAMA_8B_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("out_features,in_features", LLAMA_8B_SHAPES)
-@pytest.mark.parametrize("expansion", ["gather", "nibble", "nibble, pairs prefetched"])
+@pytest.mark.parametrize("expansion", ["gather", "nibble", "nibble_prefetched"])  # the last: PREFETCH_2OF4_PAIRS
 def test_spmm_llama_shapes_bf16(out_features, in_features, expansion, monkeypatch):
     monkeypatch.setattr(spmm, "EXPAND_2OF4_BY_NIBBLE", expansion != "gather")
     monkeypatch.setattr(spmm, "PREFETCH_2OF4_PAIRS", expansion.endswith("prefetched"))
