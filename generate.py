@@ -39,6 +39,13 @@ from model import KVCache, Transformer
 from tokenizer import find_tokenizer, load_tokenizer
 
 EOS_CHECK_INTERVAL = 8  # decode steps between the host's looks at "has every row hit EOS?"
+# The decode step's argmax over the vocabulary (greedy, or the exponential race) as a max over each
+# of ARGMAX_CHUNKS slices and an argmax over the slices; 0: one argmax. Inductor gives a one-row
+# reduction to one program that walks the whole row: the race was 37 µs of a Llama-3 step at batch
+# 1 on the H200 for ~1 MB of logits and noise (docs/BENCHMARKS.md, session 8), the slices give each
+# row ARGMAX_CHUNKS programs. Same index as torch.argmax (the first maximum). Off until timed
+# (docs/KERNEL_NOTES.md, session 16).
+ARGMAX_CHUNKS = 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -117,13 +124,25 @@ def logits_to_probs(logits: Tensor, temperature: float = 1.0, top_k: Optional[in
     return torch.softmax(kept_logits(logits, temperature, top_k, top_p), dim=-1)
 
 
+def argmax_over_vocab(scores: Tensor) -> Tensor:
+    """scores.argmax(dim=-1) for scores [B, V], in ARGMAX_CHUNKS slices (see there) when set."""
+    if not ARGMAX_CHUNKS:
+        return scores.argmax(dim=-1)
+    rows, vocab = scores.shape
+    width = -(-vocab // ARGMAX_CHUNKS)
+    padded = torch.nn.functional.pad(scores, (0, width * ARGMAX_CHUNKS - vocab), value=float("-inf"))
+    best, where = padded.view(rows, ARGMAX_CHUNKS, width).max(dim=-1)  # each slice's first maximum
+    chunk = best.argmax(dim=-1, keepdim=True)  # the first slice holding the row's maximum
+    return (chunk * width + where.gather(1, chunk)).squeeze(1)
+
+
 def sample(logits: Tensor, noise: Optional[Tensor], temperature: float = 0.0, top_k: Optional[int] = None,
            top_p: Optional[float] = None) -> Tensor:
     """logits [B, V] -> token ids [B]. Temperature 0 is greedy; otherwise `noise` is Exponential(1) [B, V]."""
     if temperature == 0:
-        return logits.argmax(dim=-1)
+        return argmax_over_vocab(logits)
     # The exponential race in log space (see the module docstring); the clamp guards against a zero draw.
-    return torch.argmax(kept_logits(logits, temperature, top_k, top_p) - noise.clamp_min(1e-20).log(), dim=-1)
+    return argmax_over_vocab(kept_logits(logits, temperature, top_k, top_p) - noise.clamp_min(1e-20).log())
 
 
 def draw_noise(batch_size: int, vocab_size: int, temperature: float, generator, device) -> Optional[Tensor]:

@@ -42,6 +42,24 @@ def test_temperature_zero_is_argmax():
     assert torch.equal(generate.sample(logits, None, temperature=0.0), logits.argmax(-1))
 
 
+@pytest.mark.parametrize("chunks", [0, 7, 64])  # one argmax; slices not dividing V; more slices than a row's 50
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_over_vocab_is_torch_argmax(chunks, dtype, monkeypatch):
+    monkeypatch.setattr(generate, "ARGMAX_CHUNKS", chunks)
+    scores = torch.randn(6, 50).to(dtype)
+    scores[1, 10:40] = float("-inf")
+    scores[2] = scores[2].round()  # ties: the first maximum wins
+    scores[3, [5, 30, 49]] = 9.0  # the maximum repeated across slices
+    scores[4] = float("-inf")  # nothing kept: index 0, as torch.argmax
+    scores[5, 49] = 9.0  # the last token
+    assert torch.equal(generate.argmax_over_vocab(scores), scores.argmax(dim=-1))
+    noise = generate.draw_noise(6, 50, 0.8, torch.Generator().manual_seed(1), "cpu")
+    monkeypatch.setattr(generate, "ARGMAX_CHUNKS", 0)
+    expected = generate.sample(scores.float(), noise, temperature=0.8, top_k=20)
+    monkeypatch.setattr(generate, "ARGMAX_CHUNKS", chunks)
+    assert torch.equal(generate.sample(scores.float(), noise, temperature=0.8, top_k=20), expected)
+
+
 def test_top_k_keeps_exactly_the_k_largest():
     logits = torch.randn(3, 50)
     probs = generate.logits_to_probs(logits, temperature=1.0, top_k=7)
