@@ -46,6 +46,11 @@ EOS_CHECK_INTERVAL = 8  # decode steps between the host's looks at "has every ro
 # row ARGMAX_CHUNKS programs. Same index as torch.argmax (the first maximum). Off until timed
 # (docs/KERNEL_NOTES.md, session 16).
 ARGMAX_CHUNKS = 0
+# The top-k threshold the same way: torch.topk of each of TOPK_CHUNKS slices of the row, then of
+# their union (every one of a row's k largest values is among its slice's k largest, so the values
+# are torch.topk's exactly). torch.topk over a 128,256-wide row was ~51 µs in ~19 launches of a
+# Llama-3 step (docs/BENCHMARKS.md, session 8). 0: one torch.topk. Off until timed.
+TOPK_CHUNKS = 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -108,7 +113,7 @@ def kept_logits(logits: Tensor, temperature: float = 1.0, top_k: Optional[int] =
         k = logits.shape[-1] if top_k is None else min(top_k, logits.shape[-1])
         # Unsorted unless top-p needs the order: on CUDA the sort is a kernel of its own (21 us of
         # a Llama-3 step at k=200, docs/BENCHMARKS.md), and top-k alone needs only the k-th value.
-        ranked = torch.topk(logits, k, sorted=top_p is not None).values  # sorted: descending
+        ranked = top_values(logits, k, sorted=top_p is not None)  # sorted: descending
         if top_p is not None:
             ranked_probs = torch.softmax(ranked, dim=-1)  # renormalised over the top-k, as if top-k ran first
             mass_before = ranked_probs.cumsum(dim=-1) - ranked_probs
@@ -116,6 +121,18 @@ def kept_logits(logits: Tensor, temperature: float = 1.0, top_k: Optional[int] =
         threshold = ranked.min(dim=-1, keepdim=True).values
         logits = logits.masked_fill(logits < threshold, float("-inf"))
     return logits
+
+
+def top_values(x: Tensor, k: int, sorted: bool) -> Tensor:
+    """torch.topk(x, k, sorted=sorted).values along the last dim of x [B, V], in TOPK_CHUNKS slices
+    (see there) when set and a slice is wider than k."""
+    rows, vocab = x.shape
+    width = -(-vocab // TOPK_CHUNKS) if TOPK_CHUNKS else vocab
+    if not TOPK_CHUNKS or width <= k:
+        return torch.topk(x, k, sorted=sorted).values
+    padded = torch.nn.functional.pad(x, (0, width * TOPK_CHUNKS - vocab), value=float("-inf"))
+    candidates = torch.topk(padded.view(rows, TOPK_CHUNKS, width), k, sorted=False).values
+    return torch.topk(candidates.view(rows, TOPK_CHUNKS * k), k, sorted=sorted).values
 
 
 def logits_to_probs(logits: Tensor, temperature: float = 1.0, top_k: Optional[int] = None,

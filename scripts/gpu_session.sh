@@ -37,8 +37,9 @@
 #                   autograd on, it outlasted 220 and 250 s)
 #   decode_gptfast  Llama-3.1-8B our dense + GPT-Fast alone, GPT-Fast given 450 s (~4.5)
 #   decode_b1_ours  the same without GPT-Fast, dense and 2:4 only (~4)
-#   decode_argmax_b1  Llama-3.1-8B dense and 2:4 at batch 1 with --profile (decode_b1_ours), then the same with the
-#                   vocabulary's argmax in 64 slices (generate.ARGMAX_CHUNKS), one process each (~7)
+#   decode_sampling_b1  Llama-3.1-8B 2:4 at batch 1 with --profile, one process each: this tree, the vocabulary's
+#                   argmax in 64 slices (generate.ARGMAX_CHUNKS), and that with the top-k threshold in 64 slices
+#                   too (generate.TOPK_CHUNKS); sampling costs dense the same (~5)
 #   decode_b1_patterns  our dense and 4:8, 8:16, 16:32, each in a fresh process (~6)
 #   decode_batches  Llama-3.1-8B dense and 2:4 at batch 4 and 8 (~8)
 #   decode_prologue_ab_b1  Llama-3.1-8B 2:4 at batch 1, A/B in alternating fresh processes
@@ -83,6 +84,7 @@ NO_ROPE="decode_attention.py:s/^FUSE_ROPE_AND_CACHE_WRITE = True/FUSE_ROPE_AND_C
 NO_SPMM8="sparse/linear.py:s/^SPMM_MIN_ROWS_2OF4 = 8/SPMM_MIN_ROWS_2OF4 = 9/"
 PREFETCH_PAIRS="sparse/spmm.py:s/^PREFETCH_2OF4_PAIRS = False/PREFETCH_2OF4_PAIRS = True/"
 ARGMAX64="generate.py:s/^ARGMAX_CHUNKS = 0/ARGMAX_CHUNKS = 64/"
+TOPK64="generate.py:s/^TOPK_CHUNKS = 0/TOPK_CHUNKS = 64/"
 PROGRAMS1056="decode_attention.py:s/^PROGRAMS_TARGET = 264 /PROGRAMS_TARGET = 1056 /"
 declare -A JOBS=(
   [gpu_tests]="python3 -m pytest -v -m gpu tests"
@@ -106,7 +108,7 @@ declare -A JOBS=(
   [decode_b1]="env GPTFAST_PROFILE=\$JOB/profile_gptfast.txt $DECODE --models Llama-3.1-8B --patterns dense,2:4,4:8,8:16,16:32 --batch_sizes 1 --profile --gptfast .gptfast --gptfast_timeout_s 240 --out \$JOB"
   [decode_gptfast]="$DECODE --models Llama-3.1-8B --patterns dense --batch_sizes 1 --gptfast .gptfast --gptfast_timeout_s 450 --out \$JOB"
   [decode_b1_ours]="$DECODE --models Llama-3.1-8B --patterns dense,2:4 --batch_sizes 1 --profile --out \$JOB"
-  [decode_argmax_b1]="OUT=\$JOB bash scripts/decode_variants.sh 1 'base=' 'argmax64=$ARGMAX64' -- --models Llama-3.1-8B --patterns dense,2:4 --batch_sizes 1 --profile"
+  [decode_sampling_b1]="OUT=\$JOB bash scripts/decode_variants.sh 1 'base=' 'argmax64=$ARGMAX64' 'both64=$ARGMAX64;$TOPK64' -- --models Llama-3.1-8B --patterns 2:4 --batch_sizes 1 --profile"
   [decode_b1_patterns]="$DECODE --models Llama-3.1-8B --patterns dense,4:8,8:16,16:32 --batch_sizes 1 --out \$JOB"
   [decode_prologue_ab_b1]="OUT=\$JOB bash scripts/decode_ab.sh 'sparse/linear.py:s/^PROLOGUE_APART_MIN_ROWS = 4/PROLOGUE_APART_MIN_ROWS = 1/' 1 1 -- --models Llama-3.1-8B --patterns 2:4"
   [decode_attention_off_b48]="OUT=\$JOB bash scripts/decode_variants.sh 1 'on=' 'spmv8=$NO_SPMM8' 'no_merge=$NO_MERGE' 'off=$NO_MERGE;$NO_ROPE' -- --models Llama-3.1-8B --patterns 2:4 --batch_sizes 4,8 --profile"

@@ -60,6 +60,19 @@ def test_argmax_over_vocab_is_torch_argmax(chunks, dtype, monkeypatch):
     assert torch.equal(generate.sample(scores.float(), noise, temperature=0.8, top_k=20), expected)
 
 
+@pytest.mark.parametrize("chunks", [0, 3, 7])  # one topk; slices wider than k that do not divide V
+def test_top_values_in_slices_are_torch_topk(chunks, monkeypatch):
+    monkeypatch.setattr(generate, "TOPK_CHUNKS", chunks)
+    x = torch.randn(4, 50)
+    x[1, :45] = float("-inf")  # fewer finite values than k
+    x[2] = x[2].round()  # ties
+    x[3, :12] = 5.0  # the k largest all in the first slice
+    for sorted in (False, True):
+        got, expected = generate.top_values(x, 6, sorted), torch.topk(x, 6, sorted=sorted).values
+        assert torch.equal(got if sorted else got.sort(dim=-1).values, expected if sorted else expected.sort(dim=-1).values)
+    assert torch.equal(generate.top_values(x, 20, True), torch.topk(x, 20).values)  # a slice narrower than k
+
+
 def test_top_k_keeps_exactly_the_k_largest():
     logits = torch.randn(3, 50)
     probs = generate.logits_to_probs(logits, temperature=1.0, top_k=7)
