@@ -42,6 +42,11 @@ BLOCK_SLOTS = 32
 # 3.053 ms without (H200, docs/BENCHMARKS.md session 15; batch 4 and 8 were not measured apart).
 FUSE_ROPE_AND_CACHE_WRITE = True
 MERGE_IN_LAST_SPLIT = True
+# Load a block's V with its K, before the scores, instead of after the softmax: the SASS had the V
+# loads behind the softmax's cross-warp reductions (6 CTA barriers), so each block waited on two
+# DRAM round trips one after the other (kernel_sass --attention; docs/KERNEL_NOTES.md session 16).
+# Off until timed.
+LOAD_V_WITH_K = False
 
 
 @triton.jit
@@ -78,7 +83,7 @@ def _partial_attention_kernel(q_ptr, k_ptr, v_ptr, keep_ptr, acc_ptr, stats_ptr,
                               GROUP_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                               BLOCK: tl.constexpr, ROPE_AND_WRITE: tl.constexpr, MERGE: tl.constexpr,
                               MERGE_HEADS: tl.constexpr, SPLITS: tl.constexpr, MERGE_CHUNK: tl.constexpr,
-                              IEEE: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
+                              V_WITH_K: tl.constexpr, IEEE: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
     """Partial attention of the GROUP_SIZE query heads of one KV head over one split of the slots.
 
     Writes acc (unnormalised sum of p·V, fp32) and stats (max score, sum of exp) per query head and
@@ -128,13 +133,16 @@ def _partial_attention_kernel(q_ptr, k_ptr, v_ptr, keep_ptr, acc_ptr, stats_ptr,
         if tl.max(keep.to(tl.int32), axis=0) > 0:
             offsets = kv_base + slots[:, None] * kv_stride_s + dims[None, :]
             k = tl.load(k_ptr + offsets, mask=keep[:, None], other=0.0)
+            if V_WITH_K:
+                v = tl.load(v_ptr + offsets, mask=keep[:, None], other=0.0)
             scores = _dot(q, tl.trans(k), IEEE, INTERPRETER_SAFE) * scale  # [GROUP, BLOCK] fp32
             scores = tl.where(keep[None, :], scores, float("-inf"))
             new_max = tl.maximum(max_score, tl.max(scores, axis=1))
             rescale = tl.exp(max_score - new_max)
             p = tl.exp(scores - new_max[:, None])
             total = total * rescale + tl.sum(p, axis=1)
-            v = tl.load(v_ptr + offsets, mask=keep[:, None], other=0.0)
+            if not V_WITH_K:
+                v = tl.load(v_ptr + offsets, mask=keep[:, None], other=0.0)
             acc = acc * rescale[:, None] + _dot(p.to(v.dtype), v, IEEE, INTERPRETER_SAFE)
             max_score = new_max
     n_splits = tl.num_programs(1)
@@ -261,7 +269,7 @@ def _attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, keep: Tensor, new_k=Non
         new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1), cos.stride(0),
         GROUP_SIZE=group_size, GROUP=max(16, triton.next_power_of_2(group_size)), HEAD_DIM=head_dim,
         BLOCK=BLOCK_SLOTS, ROPE_AND_WRITE=rope_and_write, MERGE=merge, MERGE_HEADS=merge_heads, SPLITS=split_tile,
-        MERGE_CHUNK=merge_chunk, IEEE=q.dtype == torch.float32, INTERPRETER_SAFE=INTERPRETING)
+        MERGE_CHUNK=merge_chunk, V_WITH_K=LOAD_V_WITH_K, IEEE=q.dtype == torch.float32, INTERPRETER_SAFE=INTERPRETING)
     if not merge:
         _merge_splits_kernel[(batch * n_heads,)](acc, stats, out, splits, SPLITS=split_tile, CHUNK=merge_chunk,
                                                  HEAD_DIM=head_dim)

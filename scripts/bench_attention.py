@@ -3,7 +3,8 @@
 A whole-model A/B of one attention setting costs a fresh compiled process (~1-2 minutes on the
 H200); this times the kernel for many settings in one: the grid's program target
 (`PROGRAMS_TARGET`: how many splits the cache is cut into), the slots a program walks per block
-(`BLOCK_SLOTS`) and the merge in the last split (`MERGE_IN_LAST_SPLIT`), at each batch size and
+(`BLOCK_SLOTS`), the merge in the last split (`MERGE_IN_LAST_SPLIT`) and V loaded with K
+(`LOAD_V_WITH_K`), at each batch size and
 cache length, with RoPE and the KV write inside (`decode_attention_with_cache_write`, the model's
 path). Every slot of the cache is in use (the new token at the last slot), the worst case of a
 decode step at that length.
@@ -16,6 +17,7 @@ Each setting's output is checked against float32 attention over the cache it wro
     python scripts/bench_attention.py --batches 1,4,8,16 --slots 768,4096 --out-md runs/attention.md
 """
 import argparse
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -57,15 +59,18 @@ def reference_attention(case: tuple) -> torch.Tensor:
     return torch.einsum("bhs,bhsd->bhd", scores.softmax(dim=-1), v)
 
 
-def with_settings(programs_target: int, block_slots: int, merge: bool):
-    """Set the kernel's module switches (read at every call) and return the previous ones."""
-    previous = (decode_attention.PROGRAMS_TARGET, decode_attention.BLOCK_SLOTS, decode_attention.MERGE_IN_LAST_SPLIT)
-    decode_attention.PROGRAMS_TARGET, decode_attention.BLOCK_SLOTS = programs_target, block_slots
-    decode_attention.MERGE_IN_LAST_SPLIT = merge
+SETTINGS = ("PROGRAMS_TARGET", "BLOCK_SLOTS", "MERGE_IN_LAST_SPLIT", "LOAD_V_WITH_K")  # decode_attention's
+
+
+def with_settings(*values):
+    """Set the kernel's module switches SETTINGS (read at every call); return the previous values."""
+    previous = tuple(getattr(decode_attention, name) for name in SETTINGS)
+    for name, value in zip(SETTINGS, values):
+        setattr(decode_attention, name, value)
     return previous
 
 
-def bench(models, batches, slot_counts, targets, blocks, merges) -> list:
+def bench(models, batches, slot_counts, targets, blocks, merges, v_with_k) -> list:
     rows = []
     for model in models:
         n_heads, n_kv_heads, head_dim = HEADS[model]
@@ -74,26 +79,25 @@ def bench(models, batches, slot_counts, targets, blocks, merges) -> list:
                 kv_bytes = 2 * batch * n_kv_heads * slots * head_dim * 2
                 layers = [attention_case(batch, n_heads, n_kv_heads, head_dim, slots, seed=layer)
                           for layer in range(kernels.copies_for(kv_bytes))]
-                for target in targets:
-                    for block in blocks:
-                        for merge in merges:
-                            previous = with_settings(target, block, merge)
-                            try:
-                                out = decode_attention.decode_attention_with_cache_write(*layers[0]).float()
-                                reference = reference_attention(layers[0])
-                                error = float((out - reference).norm() / reference.norm())
-                                if not error < 1e-2:
-                                    raise AssertionError(f"{model} b{batch} {slots} slots, target {target}, block "
-                                                         f"{block}, merge {merge}: relative error {error:.2e}")
-                                us = kernels.time_in_cuda_graph(
-                                    [lambda c=c: decode_attention.decode_attention_with_cache_write(*c) for c in layers])
-                            finally:
-                                with_settings(*previous)
-                            row = dict(model=model, batch=batch, slots=slots, programs_target=target, block_slots=block,
-                                       merge_in_last_split=merge, us=round(us, 2), gb_s=round(kv_bytes / us / 1e3),
-                                       error=error)
-                            rows.append(row)
-                            print(json.dumps(row), flush=True)
+                for target, block, merge, v_early in itertools.product(targets, blocks, merges, v_with_k):
+                    previous = with_settings(target, block, merge, v_early)
+                    try:
+                        out = decode_attention.decode_attention_with_cache_write(*layers[0]).float()
+                        reference = reference_attention(layers[0])
+                        error = float((out - reference).norm() / reference.norm())
+                        if not error < 1e-2:
+                            raise AssertionError(f"{model} b{batch} {slots} slots, target {target}, block "
+                                                 f"{block}, merge {merge}, V with K {v_early}: relative "
+                                                 f"error {error:.2e}")
+                        us = kernels.time_in_cuda_graph(
+                            [lambda c=c: decode_attention.decode_attention_with_cache_write(*c) for c in layers])
+                    finally:
+                        with_settings(*previous)
+                    row = dict(model=model, batch=batch, slots=slots, programs_target=target, block_slots=block,
+                               merge_in_last_split=merge, v_with_k=v_early, us=round(us, 2),
+                               gb_s=round(kv_bytes / us / 1e3), error=error)
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
                 del layers
                 torch.cuda.empty_cache()
     return rows
@@ -101,17 +105,18 @@ def bench(models, batches, slot_counts, targets, blocks, merges) -> list:
 
 def markdown_table(rows: list) -> str:
     """One line per (model, slots, batch): the committed setting's time, and the fastest setting."""
-    committed = (decode_attention.PROGRAMS_TARGET, decode_attention.BLOCK_SLOTS, decode_attention.MERGE_IN_LAST_SPLIT)
-    lines = ["| model | slots | batch | committed µs (GB/s) | fastest µs (GB/s) | its target / block / merge |",
+    keys = ("programs_target", "block_slots", "merge_in_last_split", "v_with_k")
+    committed = tuple(getattr(decode_attention, name) for name in SETTINGS)
+    lines = ["| model | slots | batch | committed µs (GB/s) | fastest µs (GB/s) | its target / block / merge / V with K |",
              "|---|---|---|---|---|---|"]
     cases = sorted({(r["model"], r["slots"], r["batch"]) for r in rows})
     for case in cases:
         group = [r for r in rows if (r["model"], r["slots"], r["batch"]) == case]
         best = min(group, key=lambda r: r["us"])
-        base = [r for r in group if (r["programs_target"], r["block_slots"], r["merge_in_last_split"]) == committed]
+        base = [r for r in group if tuple(r[key] for key in keys) == committed]
         base_text = f"{base[0]['us']:.2f} ({base[0]['gb_s']})" if base else "not timed"
         lines.append(f"| {case[0]} | {case[1]} | {case[2]} | {base_text} | {best['us']:.2f} ({best['gb_s']}) | "
-                     f"{best['programs_target']} / {best['block_slots']} / {best['merge_in_last_split']} |")
+                     f"{' / '.join(str(best[key]) for key in keys)} |")
     return "\n".join(lines)
 
 
@@ -123,6 +128,7 @@ def main():
     p.add_argument("--targets", default="132,264,528,1056", help="PROGRAMS_TARGET values")
     p.add_argument("--blocks", default="16,32,64", help="BLOCK_SLOTS values")
     p.add_argument("--merges", default="1", help="MERGE_IN_LAST_SPLIT values (1, 0 or 1,0)")
+    p.add_argument("--v-with-k", default="0,1", help="LOAD_V_WITH_K values")
     p.add_argument("--out-md", type=Path)
     p.add_argument("--out-json", type=Path)
     args = p.parse_args()
@@ -133,7 +139,7 @@ def main():
     if unknown:
         sys.exit(f"bench_attention.py: unknown model {unknown[0]!r} (known: {', '.join(HEADS)})")
     rows = bench(args.models.split(","), ints(args.batches), ints(args.slots), ints(args.targets), ints(args.blocks),
-                 [bool(v) for v in ints(args.merges)])
+                 [bool(v) for v in ints(args.merges)], [bool(v) for v in ints(args.v_with_k)])
     table = markdown_table(rows)
     print(table)
     for path, text in ((args.out_json, json.dumps(rows, indent=1)), (args.out_md, table + "\n")):

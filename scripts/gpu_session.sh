@@ -52,6 +52,8 @@
 #                   off, both attention fusions off (~8; the last variant did not fit one call, 2026-12-03)
 #   decode_attention_programs_b48  Llama-3.1-8B dense and 2:4 at batch 4 and 8 with --profile: this tree, then
 #                   the attention's grid aimed at 1056 programs instead of 264 (more, shorter splits) (~8)
+#   decode_v_with_k_b148  Llama-3.1-8B 2:4 at batch 1, 4 and 8 with --profile, one process each: this tree, then the
+#                   attention loading each block's V with its K (decode_attention.LOAD_V_WITH_K) (~6)
 #   dense_spread    dense_spread.sh: our dense at batch 1 three times, each with a fresh Inductor cache, and
 #                   the GEMV configs each process's coordinate descent picked (~7)
 #   decode_spmm_prefetch_b816  the SpMM's 2:4 value pairs loaded a K step ahead (spmm.PREFETCH_2OF4_PAIRS): its GPU
@@ -85,6 +87,7 @@ NO_SPMM8="sparse/linear.py:s/^SPMM_MIN_ROWS_2OF4 = 8/SPMM_MIN_ROWS_2OF4 = 9/"
 PREFETCH_PAIRS="sparse/spmm.py:s/^PREFETCH_2OF4_PAIRS = False/PREFETCH_2OF4_PAIRS = True/"
 ARGMAX64="generate.py:s/^ARGMAX_CHUNKS = 0/ARGMAX_CHUNKS = 64/"
 TOPK64="generate.py:s/^TOPK_CHUNKS = 0/TOPK_CHUNKS = 64/"
+V_WITH_K="decode_attention.py:s/^LOAD_V_WITH_K = False/LOAD_V_WITH_K = True/"
 PROGRAMS1056="decode_attention.py:s/^PROGRAMS_TARGET = 264 /PROGRAMS_TARGET = 1056 /"
 declare -A JOBS=(
   [gpu_tests]="python3 -m pytest -v -m gpu tests"
@@ -113,6 +116,7 @@ declare -A JOBS=(
   [decode_prologue_ab_b1]="OUT=\$JOB bash scripts/decode_ab.sh 'sparse/linear.py:s/^PROLOGUE_APART_MIN_ROWS = 4/PROLOGUE_APART_MIN_ROWS = 1/' 1 1 -- --models Llama-3.1-8B --patterns 2:4"
   [decode_attention_off_b48]="OUT=\$JOB bash scripts/decode_variants.sh 1 'on=' 'spmv8=$NO_SPMM8' 'no_merge=$NO_MERGE' 'off=$NO_MERGE;$NO_ROPE' -- --models Llama-3.1-8B --patterns 2:4 --batch_sizes 4,8 --profile"
   [decode_attention_programs_b48]="OUT=\$JOB bash scripts/decode_variants.sh 1 'base=' 'programs1056=$PROGRAMS1056' -- --models Llama-3.1-8B --patterns dense,2:4 --batch_sizes 4,8 --profile"
+  [decode_v_with_k_b148]="OUT=\$JOB bash scripts/decode_variants.sh 1 'base=' 'v_with_k=$V_WITH_K' -- --models Llama-3.1-8B --patterns 2:4 --batch_sizes 1,4,8 --profile"
   [dense_spread]="OUT=\$JOB bash scripts/dense_spread.sh 3"
   [decode_spmm_prefetch_b816]="python3 -m pytest -q -m gpu tests/test_sparse_spmm.py -k 'llama_shapes and prefetched'; OUT=\$JOB bash scripts/decode_variants.sh 1 'base=' 'prefetch=$PREFETCH_PAIRS' -- --models Llama-3.1-8B --patterns 2:4 --batch_sizes 8,16 --profile"
   [decode_spmm_ab_b8]="OUT=\$JOB bash scripts/decode_ab.sh '$NO_SPMM8' 1 8 -- --models Llama-3.1-8B --patterns 2:4"

@@ -80,7 +80,7 @@ def compile_for_sm90a(kernel, types: dict, constants: dict, num_warps: int, divi
 
 
 def compile_partial_attention(rope_and_write: bool, group_size: int = 4, head_dim: int = 128, merge: bool = False,
-                              splits: int = 32) -> dict:
+                              splits: int = 32, v_with_k: bool = False) -> dict:
     """decode_attention's partial kernel for sm_90a (bf16, Llama-3.1-8B's GQA group of 4 by
     default), with or without RoPE and the cache write, with or without the merge of `splits`
     splits in the last program: registers, spills, all instructions and the slot loop's."""
@@ -91,7 +91,7 @@ def compile_partial_attention(rope_and_write: bool, group_size: int = 4, head_di
                  out_ptr="*bf16", arrivals_ptr="*i32", scale="fp32")
     constants = dict(GROUP_SIZE=group_size, GROUP=max(16, triton.next_power_of_2(group_size)), HEAD_DIM=head_dim,
                      BLOCK=decode_attention.BLOCK_SLOTS, ROPE_AND_WRITE=rope_and_write, MERGE=merge,
-                     IEEE=False, INTERPRETER_SAFE=False)
+                     V_WITH_K=v_with_k, IEEE=False, INTERPRETER_SAFE=False)
     constants.update(zip(("MERGE_HEADS", "SPLITS", "MERGE_CHUNK"), decode_attention.merge_tiling(group_size, splits,
                                                                                                merge)))
     # What the JIT sees on Llama's shapes: aligned buffers, strides and slot counts in multiples of 16.
@@ -99,8 +99,12 @@ def compile_partial_attention(rope_and_write: bool, group_size: int = 4, head_di
                if name.endswith(("_ptr", "stride_b", "stride_h", "stride_s")) or name in ("n_slots", "slots_per_split")]
     sass, registers, spill_bytes = compile_for_sm90a(decode_attention._partial_attention_kernel, types, constants,
                                                      num_warps=4, divisible_by_16=aligned)
+    loop = [op for op, _ in innermost_loop(sass)]
+    # Where the slot loop's loads sit (fraction of the loop), and its CTA barriers: K's loads come
+    # first, V's either with them (V_WITH_K) or behind the softmax's cross-warp reductions.
     return dict(registers=registers, spill_bytes=spill_bytes, instructions=len(SASS_LINE.findall(sass)),
-                loop=len(innermost_loop(sass)), loads=sass.count("LDG"))
+                loop=len(loop), loads=sass.count("LDG"), barriers_in_loop=sum(op.startswith("BAR") for op in loop),
+                loop_loads_at=[round(i / len(loop), 2) for i, op in enumerate(loop) if op.startswith("LDG")])
 
 
 def compile_spmm(two_of_four: bool, block_out: int = 128, words: int = 2, num_warps: int = 4,
@@ -166,8 +170,10 @@ def main():
     if args.attention:
         for rope_and_write in (False, True):
             for merge in (False, True):
-                print(f"RoPE and cache write {rope_and_write!s:5}, merge in the last split {merge!s:5}:",
-                      compile_partial_attention(rope_and_write, merge=merge))
+                for v_with_k in (False, True):
+                    print(f"RoPE and cache write {rope_and_write!s:5}, merge in the last split {merge!s:5}, "
+                          f"V loaded with K {v_with_k!s:5}:",
+                          compile_partial_attention(rope_and_write, merge=merge, v_with_k=v_with_k))
         return
     kernels = kernels_module(args.revision)
     print(f"{'batch':>5} {'regs':>5} {'spill B':>7} {'loop':>5} {'FFMA':>5} {'FLO':>4} {'SHFL':>4} {'LDG':>4} "

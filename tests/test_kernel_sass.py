@@ -53,6 +53,22 @@ def test_rope_cache_write_and_merge_leave_the_attention_loop_alone():
         assert fused["registers"] <= 2 ** 16 // (2 * 128), fused
 
 
+def test_v_loaded_with_k_moves_every_slot_load_before_the_softmax():
+    # LOAD_V_WITH_K: the loop's last load in its first third (behind the softmax's reductions at
+    # ~70 % otherwise), no spills, registers for three programs of 128 threads an SM.
+    after, together = (kernel_sass.compile_partial_attention(True, merge=True, v_with_k=v) for v in (False, True))
+    assert max(after["loop_loads_at"]) > 0.6 and max(together["loop_loads_at"]) < 0.35, (after, together)
+    assert together["spill_bytes"] == 0 and together["registers"] <= 2 ** 16 // (3 * 128), together
+
+
+def test_2of4_prefetched_pairs_stay_in_budget():
+    # PREFETCH_2OF4_PAIRS holds a step's pairs across the loop's back edge: no spills, registers
+    # for four programs of 128 threads an SM (as without), instructions as without.
+    plain, prefetched = (kernel_sass.compile_spmm(True, prefetch_pairs=p) for p in (False, True))
+    assert prefetched["spill_bytes"] == 0 and prefetched["registers"] <= 2 ** 16 // (4 * 128), prefetched
+    assert prefetched["per_kept_weight"] <= 1.05 * plain["per_kept_weight"], (plain, prefetched)
+
+
 def test_2of4_nibble_expansion_fits_the_issue_budget():
     # The SpMM's K loop at a decode batch: the gather expansion is over the ~17.7 instructions per
     # kept weight that the H200 can issue at full bandwidth; the 2:4 nibble one (two byte permutes
