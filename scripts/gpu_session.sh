@@ -52,6 +52,9 @@
 #                   off, both attention fusions off (~8; the last variant did not fit one call, 2026-12-03)
 #   decode_attention_programs_b48  Llama-3.1-8B dense and 2:4 at batch 4 and 8 with --profile: this tree, then
 #                   the attention's grid aimed at 1056 programs instead of 264 (more, shorter splits) (~8)
+#   decode_pending_b18  session 16's four untimed switches in one call: Llama-3.1-8B 2:4 at batch 1 and 8 with
+#                   --profile, one process each: this tree, the SpMM's pairs prefetched, V loaded with K, the
+#                   sliced argmax and top-k (~8)
 #   decode_v_with_k_b148  Llama-3.1-8B 2:4 at batch 1, 4 and 8 with --profile, one process each: this tree, then the
 #                   attention loading each block's V with its K (decode_attention.LOAD_V_WITH_K) (~6)
 #   dense_spread    dense_spread.sh: our dense at batch 1 three times, each with a fresh Inductor cache, and
@@ -116,6 +119,7 @@ declare -A JOBS=(
   [decode_prologue_ab_b1]="OUT=\$JOB bash scripts/decode_ab.sh 'sparse/linear.py:s/^PROLOGUE_APART_MIN_ROWS = 4/PROLOGUE_APART_MIN_ROWS = 1/' 1 1 -- --models Llama-3.1-8B --patterns 2:4"
   [decode_attention_off_b48]="OUT=\$JOB bash scripts/decode_variants.sh 1 'on=' 'spmv8=$NO_SPMM8' 'no_merge=$NO_MERGE' 'off=$NO_MERGE;$NO_ROPE' -- --models Llama-3.1-8B --patterns 2:4 --batch_sizes 4,8 --profile"
   [decode_attention_programs_b48]="OUT=\$JOB bash scripts/decode_variants.sh 1 'base=' 'programs1056=$PROGRAMS1056' -- --models Llama-3.1-8B --patterns dense,2:4 --batch_sizes 4,8 --profile"
+  [decode_pending_b18]="OUT=\$JOB bash scripts/decode_variants.sh 1 'base=' 'prefetch=$PREFETCH_PAIRS' 'v_with_k=$V_WITH_K' 'sampling=$ARGMAX64;$TOPK64' -- --models Llama-3.1-8B --patterns 2:4 --batch_sizes 1,8 --profile"
   [decode_v_with_k_b148]="OUT=\$JOB bash scripts/decode_variants.sh 1 'base=' 'v_with_k=$V_WITH_K' -- --models Llama-3.1-8B --patterns 2:4 --batch_sizes 1,4,8 --profile"
   [dense_spread]="OUT=\$JOB bash scripts/dense_spread.sh 3"
   [decode_spmm_prefetch_b816]="python3 -m pytest -q -m gpu tests/test_sparse_spmm.py -k 'llama_shapes and prefetched'; OUT=\$JOB bash scripts/decode_variants.sh 1 'base=' 'prefetch=$PREFETCH_PAIRS' -- --models Llama-3.1-8B --patterns 2:4 --batch_sizes 8,16 --profile"
