@@ -123,16 +123,20 @@ def kept_logits(logits: Tensor, temperature: float = 1.0, top_k: Optional[int] =
     return logits
 
 
+def _vocab_slices(x: Tensor, slices: int) -> Tensor:
+    """x [..., V] padded with -inf to [..., slices, ceil(V / slices)]."""
+    width = -(-x.shape[-1] // slices)
+    padded = torch.nn.functional.pad(x, (0, width * slices - x.shape[-1]), value=float("-inf"))
+    return padded.reshape(*x.shape[:-1], slices, width)
+
+
 def top_values(x: Tensor, k: int, sorted: bool) -> Tensor:
-    """torch.topk(x, k, sorted=sorted).values along the last dim of x [B, V], in TOPK_CHUNKS slices
-    (see there) when set and a slice is wider than k."""
-    rows, vocab = x.shape
-    width = -(-vocab // TOPK_CHUNKS) if TOPK_CHUNKS else vocab
-    if not TOPK_CHUNKS or width <= k:
+    """torch.topk(x, k, sorted=sorted).values along the last dim of x, in TOPK_CHUNKS slices (see
+    there) when set and a slice is wider than k."""
+    if not TOPK_CHUNKS or -(-x.shape[-1] // TOPK_CHUNKS) <= k:
         return torch.topk(x, k, sorted=sorted).values
-    padded = torch.nn.functional.pad(x, (0, width * TOPK_CHUNKS - vocab), value=float("-inf"))
-    candidates = torch.topk(padded.view(rows, TOPK_CHUNKS, width), k, sorted=False).values
-    return torch.topk(candidates.view(rows, TOPK_CHUNKS * k), k, sorted=sorted).values
+    candidates = torch.topk(_vocab_slices(x, TOPK_CHUNKS), k, sorted=False).values
+    return torch.topk(candidates.flatten(-2), k, sorted=sorted).values
 
 
 def logits_to_probs(logits: Tensor, temperature: float = 1.0, top_k: Optional[int] = None,
@@ -142,15 +146,13 @@ def logits_to_probs(logits: Tensor, temperature: float = 1.0, top_k: Optional[in
 
 
 def argmax_over_vocab(scores: Tensor) -> Tensor:
-    """scores.argmax(dim=-1) for scores [B, V], in ARGMAX_CHUNKS slices (see there) when set."""
+    """scores.argmax(dim=-1), in ARGMAX_CHUNKS slices (see there) when set."""
     if not ARGMAX_CHUNKS:
         return scores.argmax(dim=-1)
-    rows, vocab = scores.shape
-    width = -(-vocab // ARGMAX_CHUNKS)
-    padded = torch.nn.functional.pad(scores, (0, width * ARGMAX_CHUNKS - vocab), value=float("-inf"))
-    best, where = padded.view(rows, ARGMAX_CHUNKS, width).max(dim=-1)  # each slice's first maximum
+    slices = _vocab_slices(scores, ARGMAX_CHUNKS)
+    best, where = slices.max(dim=-1)  # each slice's first maximum
     chunk = best.argmax(dim=-1, keepdim=True)  # the first slice holding the row's maximum
-    return (chunk * width + where.gather(1, chunk)).squeeze(1)
+    return (chunk * slices.shape[-1] + where.gather(-1, chunk)).squeeze(-1)
 
 
 def sample(logits: Tensor, noise: Optional[Tensor], temperature: float = 0.0, top_k: Optional[int] = None,

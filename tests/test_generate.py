@@ -53,6 +53,7 @@ def test_argmax_over_vocab_is_torch_argmax(chunks, dtype, monkeypatch):
     scores[4] = float("-inf")  # nothing kept: index 0, as torch.argmax
     scores[5, 49] = 9.0  # the last token
     assert torch.equal(generate.argmax_over_vocab(scores), scores.argmax(dim=-1))
+    assert torch.equal(generate.argmax_over_vocab(scores.view(2, 3, 50)), scores.view(2, 3, 50).argmax(dim=-1))
     noise = generate.draw_noise(6, 50, 0.8, torch.Generator().manual_seed(1), "cpu")
     monkeypatch.setattr(generate, "ARGMAX_CHUNKS", 0)
     expected = generate.sample(scores.float(), noise, temperature=0.8, top_k=20)
@@ -71,6 +72,8 @@ def test_top_values_in_slices_are_torch_topk(chunks, monkeypatch):
         got, expected = generate.top_values(x, 6, sorted), torch.topk(x, 6, sorted=sorted).values
         assert torch.equal(got if sorted else got.sort(dim=-1).values, expected if sorted else expected.sort(dim=-1).values)
     assert torch.equal(generate.top_values(x, 20, True), torch.topk(x, 20).values)  # a slice narrower than k
+    x3 = x.view(2, 2, 50)  # leading dims, as logits_to_probs takes them
+    assert torch.equal(generate.top_values(x3, 6, True), torch.topk(x3, 6).values)
 
 
 def test_top_k_keeps_exactly_the_k_largest():
