@@ -2,11 +2,12 @@
 # One device call for the tensor-core SpMM (sparse/spmm.py): its GPU tests, timings on the
 # Llama-3.1-8B shapes at batch 4/8/16 and a 2048-token prefill against kernels.spmv, the
 # prefill's expand + cuBLAS and cuBLAS bf16 F.linear, for 2:4 both expansions (gather; nibble:
-# spmm.EXPAND_2OF4_BY_NIBBLE, and up to 16 rows nibble with spmm.PREFETCH_2OF4_PAIRS), and the registers/spills of every compiled SpMM variant. Details go
-# to $OUT (the device tool's output folder) or ./runs/gpu_spmm: check.log, pytest.log,
-# spmm_bench.json, spmm_*.sass; the table is printed last. Stages: tests bench (default both); the
-# whole call takes ~3-4 min, mostly compiling and autotuning. (Session 14 fixed the bench's imports,
-# helpers bench_kernel.py no longer has, without a GPU to run it on.)
+# spmm.EXPAND_2OF4_BY_NIBBLE, and up to 16 rows nibble with spmm.PREFETCH_2OF4_PAIRS), and the
+# registers/spills of every compiled SpMM variant. Details go to $OUT (the device tool's output
+# folder) or ./runs/gpu_spmm: check.log, pytest.log, spmm_bench.json, spmm_*.sass; the table is
+# printed last. Stages: tests bench (default both); the whole call takes ~3-4 min, mostly compiling
+# and autotuning. (Session 14 fixed the bench's imports, helpers bench_kernel.py no longer has,
+# without a GPU to run it on.)
 #   bash scripts/gpu_spmm_check.sh [tests] [bench]
 set -uo pipefail
 cd "$(dirname "$0")/.."
