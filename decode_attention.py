@@ -39,11 +39,12 @@ INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 PROGRAMS_TARGET = 264  # two programs per SM of an H200 (132 SMs)
 BLOCK_SLOTS = 32
 # On since session 15: with both, the 2:4 Llama-3.1-8B step at batch 1 took 2.98 ms against 3.041 and
-# 3.053 ms without (H200, docs/BENCHMARKS.md session 15; batch 4 and 8 were not measured apart).
+# 3.053 ms without (H200, docs/BENCHMARKS.md session 15); at batch 4 and 8 they gained 0.20 and 0.09 ms
+# (session 16).
 FUSE_ROPE_AND_CACHE_WRITE = True
 MERGE_IN_LAST_SPLIT = True
 # Load a block's V with its K, before the scores, instead of after the softmax: the SASS had the V
-# loads behind the softmax's cross-warp reductions (6 CTA barriers), so each block waited on two
+# loads behind the softmax's cross-warp reductions (10 CTA barriers a trip), so each block waited on two
 # DRAM round trips one after the other (kernel_sass --attention; docs/KERNEL_NOTES.md session 16).
 # Off until timed.
 LOAD_V_WITH_K = False

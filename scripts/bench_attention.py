@@ -26,20 +26,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import decode_attention  # noqa: E402
-from model import apply_rope, precompute_rope  # noqa: E402
+from model import ModelArgs, apply_rope, precompute_rope  # noqa: E402
 from sparse import kernels  # noqa: E402
 
-HEADS = {"Llama-3.1-8B": (32, 8, 128), "Qwen3-14B": (40, 8, 128), "Qwen3-32B": (64, 8, 128)}  # q, KV heads, dim
-
-
 def attention_case(batch: int, n_heads: int, n_kv_heads: int, head_dim: int, slots: int, device="cuda",
-                   dtype=torch.bfloat16, seed: int = 0) -> tuple:
+                   dtype=torch.bfloat16, seed: int = 0, rope_base: float = 500000.0) -> tuple:
     """One layer's decode-step operands, in decode_attention_with_cache_write's order, with every
     slot attended and the new token written at the last one."""
     generator = torch.Generator(device=device).manual_seed(seed)
     randn = lambda *shape: torch.randn(*shape, generator=generator, device=device, dtype=dtype)  # noqa: E731
     cos, sin = (table[slots - 1].to(device).expand(batch, head_dim).contiguous()
-                for table in precompute_rope(slots, head_dim, 500000.0))
+                for table in precompute_rope(slots, head_dim, rope_base))
     write_slot = torch.tensor([slots - 1], device=device)
     keep = torch.ones(batch, slots, dtype=torch.bool, device=device)
     return (randn(batch, n_heads, head_dim), randn(batch, n_kv_heads, head_dim), randn(batch, n_kv_heads, head_dim),
@@ -73,11 +70,13 @@ def with_settings(*values):
 def bench(models, batches, slot_counts, targets, blocks, merges, v_with_k) -> list:
     rows = []
     for model in models:
-        n_heads, n_kv_heads, head_dim = HEADS[model]
+        config = ModelArgs.from_name(model)
+        n_heads, n_kv_heads, head_dim = config.n_head, config.n_local_heads, config.head_dim
         for slots in slot_counts:
             for batch in batches:
                 kv_bytes = 2 * batch * n_kv_heads * slots * head_dim * 2
-                layers = [attention_case(batch, n_heads, n_kv_heads, head_dim, slots, seed=layer)
+                layers = [attention_case(batch, n_heads, n_kv_heads, head_dim, slots, seed=layer,
+                                         rope_base=config.rope_base)
                           for layer in range(kernels.copies_for(kv_bytes))]
                 for target, block, merge, v_early in itertools.product(targets, blocks, merges, v_with_k):
                     previous = with_settings(target, block, merge, v_early)
@@ -122,7 +121,7 @@ def markdown_table(rows: list) -> str:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--models", default="Llama-3.1-8B", help="comma-separated subset of " + ", ".join(HEADS))
+    p.add_argument("--models", default="Llama-3.1-8B", help="comma-separated model.py config names")
     p.add_argument("--batches", default="1,4,8,16")
     p.add_argument("--slots", default="768,4096", help="cache lengths (all slots in use)")
     p.add_argument("--targets", default="132,264,528,1056", help="PROGRAMS_TARGET values")
@@ -135,9 +134,11 @@ def main():
     if not torch.cuda.is_available():
         sys.exit("bench_attention.py: needs a CUDA GPU")
     ints = lambda text: [int(v) for v in text.split(",")]  # noqa: E731
-    unknown = [m for m in args.models.split(",") if m not in HEADS]
-    if unknown:
-        sys.exit(f"bench_attention.py: unknown model {unknown[0]!r} (known: {', '.join(HEADS)})")
+    for model in args.models.split(","):
+        try:
+            ModelArgs.from_name(model)
+        except ValueError as e:
+            sys.exit(f"bench_attention.py: {e}")
     rows = bench(args.models.split(","), ints(args.batches), ints(args.slots), ints(args.targets), ints(args.blocks),
                  [bool(v) for v in ints(args.merges)], [bool(v) for v in ints(args.v_with_k)])
     table = markdown_table(rows)

@@ -35,7 +35,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from sparse import kernels  # noqa: E402
-from sparse.format import pack  # noqa: E402
+from sparse.format import pack, parse_pattern  # noqa: E402
 from sparse.linear import PROLOGUE_APART_MIN_ROWS, spmm_min_rows  # noqa: E402
 
 SHAPES = {  # (layer, out_features, in_features); qkv and w13 fused as in model.py
@@ -269,7 +269,8 @@ def bench_shape(out_features, in_features, batch, pattern, with_semi=True, layer
     packed = [(values, mask)] + [(values.clone(), mask.clone()) for _ in range(kernels.copies_for(sparse_bytes) - 1)]
     sparse_us = kernels.time_in_cuda_graph([sparse_call(x, v, m) for v, m in packed])
     fused_us = None
-    if layer in DECODE_FUSION and batch < spmm_min_rows(parse_pattern(pattern) == (2, 4)):  # the rows a decode step fuses (SparseLinear.fuses)
+    # The rows a decode step fuses (SparseLinear.fuses).
+    if layer in DECODE_FUSION and batch < spmm_min_rows(parse_pattern(pattern) == (2, 4)):
         decode_call = unfused_sparse_call if has_prologue(layer) and batch >= PROLOGUE_APART_MIN_ROWS else fused_sparse_call
         fused_us = kernels.time_in_cuda_graph([decode_call(layer, batch, v, m) for v, m in packed])
     del packed

@@ -62,8 +62,8 @@ EXPAND_2OF4_BY_NIBBLE = True
 # With the nibble expansion, load a step's value pairs together with its mask words, one K step
 # before they are expanded (a 2:4 tile's pairs sit at fixed offsets, no word needed to find them),
 # instead of in the step that expands them. The SASS of the loop (kernel_sass.compile_spmm) had each
-# pair's LDG.128 ~57 instructions before its first PRMT, in the same trip: every trip waited on one
-# DRAM round trip. Off until timed on the GPU (docs/KERNEL_NOTES.md, session 16).
+# pair's LDG.128 42-99 instructions before its first PRMT, in the same trip: every trip waited on
+# one DRAM round trip. Off until timed on the GPU (docs/KERNEL_NOTES.md, session 16).
 PREFETCH_2OF4_PAIRS = False
 
 
