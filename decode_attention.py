@@ -37,7 +37,10 @@ from torch import Tensor
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 PROGRAMS_TARGET = 264  # two programs per SM of an H200 (132 SMs)
-BLOCK_SLOTS = 32
+# 64 since session 17: the kernel alone took 4-25 % less time than with 32 at every batch 1-16 and cache of
+# 768 or 4096 slots (H200, scripts/bench_attention.py, docs/BENCHMARKS.md session 17). Where the
+# cache caps the splits (batch 1) that halves them; elsewhere each split walks half as many blocks.
+BLOCK_SLOTS = 64
 # On since session 15: with both, the 2:4 Llama-3.1-8B step at batch 1 took 2.98 ms against 3.041 and
 # 3.053 ms without (H200, docs/BENCHMARKS.md session 15); at batch 4 and 8 they gained 0.20 and 0.09 ms
 # (session 16).
@@ -46,7 +49,7 @@ MERGE_IN_LAST_SPLIT = True
 # Load a block's V with its K, before the scores, instead of after the softmax: the SASS had the V
 # loads behind the softmax's cross-warp reductions (10 CTA barriers a trip), so each block waited on two
 # DRAM round trips one after the other (kernel_sass --attention; docs/KERNEL_NOTES.md session 16).
-# Off until timed.
+# Off: timed in session 17 it gained 0.3-0.7 us a call with 32-slot blocks and nothing with 64.
 LOAD_V_WITH_K = False
 
 

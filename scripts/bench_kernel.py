@@ -34,7 +34,7 @@ import torch.nn.functional as F
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from sparse import kernels  # noqa: E402
+from sparse import kernels, spmm  # noqa: E402
 from sparse.format import pack, parse_pattern  # noqa: E402
 from sparse.linear import PROLOGUE_APART_MIN_ROWS, spmm_min_rows  # noqa: E402
 
@@ -143,7 +143,6 @@ def pack_x_ab(models, batches) -> list:
     and epilogue (DECODE_FUSION, up to 8 rows) and with the prologue as a kernel of its own
     (unfused_sparse_call), the tensor-core SpMM from spmm_min_rows(2:4) rows, and cuBLAS; each plain SpMV's output
     checked against float64 first."""
-    from sparse import spmm
     from sparse.format import unpack
     rows = []
     for layer, out_features, in_features in [shape for model in models for shape in SHAPES[model]]:
@@ -364,29 +363,39 @@ def parse_shapes(text: str) -> list:
 
 
 def ncu_targets(shapes, batch: int = 1) -> list:
-    """Launch the autotuned config once per shape inside an NVTX range "spmv" (an inner range names
-    shape and config), for Nsight Compute to profile:
+    """Launch the kernel a decode step of `batch` rows runs for each 2:4 shape (the SpMV, or from
+    linear.spmm_min_rows the tensor-core SpMM), in its tuned config, once inside an NVTX range named
+    after the kernel ("spmv" or "spmm"; an inner range names shape, batch and config), for Nsight
+    Compute to profile:
 
         ncu --clock-control none --nvtx --nvtx-include "spmv/" --set full --import-source yes -o REPORT \\
             python3 scripts/bench_kernel.py --ncu-shapes 4096x4096,28672x4096
+        (--ncu-batch 8 and --nvtx-include "spmm/" for the SpMM)
 
     Compiles and autotuning run outside the ranges, so ncu skips them. The session-4 profiles in
     docs/KERNEL_NOTES.md came from this mode (with each variant's best config in place of the tuned one)."""
+    on_spmm = batch >= spmm_min_rows(two_of_four=True)
+    kernel = "spmm" if on_spmm else "spmv"
     rows = []
     for out_features, in_features in shapes:
         values, mask = pack(random_weight(out_features, in_features), "2:4")
         x = torch.randn(batch, in_features, device="cuda", dtype=torch.bfloat16)
-        config = kernels.spmv_config(x, values, mask)
-        kernels.spmv(x, values, mask, config)  # compiled and warm before the profiled launch
+        if on_spmm:
+            config = spmm.spmm_config(x, values, mask, two_of_four=True)
+            launch = lambda: spmm.spmm(x, values, mask, config=config, two_of_four=True)  # noqa: E731
+        else:
+            config = kernels.spmv_config(x, values, mask)
+            launch = lambda: kernels.spmv(x, values, mask, config)  # noqa: E731
+        launch()  # compiled and warm before the profiled launch
         torch.cuda.synchronize()
-        torch.cuda.nvtx.range_push("spmv")
+        torch.cuda.nvtx.range_push(kernel)
         torch.cuda.nvtx.range_push(f"{out_features}x{in_features} b{batch} {config}")
-        kernels.spmv(x, values, mask, config)
+        launch()
         torch.cuda.synchronize()
         torch.cuda.nvtx.range_pop()
         torch.cuda.nvtx.range_pop()
-        rows.append(dict(out=out_features, inp=in_features, batch=batch, config=config))
-        print(f"ncu target {out_features}x{in_features} b{batch} {config}", flush=True)
+        rows.append(dict(out=out_features, inp=in_features, batch=batch, kernel=kernel, config=config))
+        print(f"ncu target {kernel} {out_features}x{in_features} b{batch} {config}", flush=True)
     return rows
 
 
@@ -420,7 +429,8 @@ def main():
     p.add_argument("--sweep-shapes", default=",".join(f"{o}x{i}" for o, i in SWEEP_SHAPES),
                    help="OUTxIN,... for --sweep, or 'all': the table's 16 shapes")
     p.add_argument("--sweep-batches", default="1,4,16", help="batch sizes for --sweep")
-    p.add_argument("--ncu-shapes", help="OUTxIN,...: launch the tuned batch-1 config once each, for ncu")
+    p.add_argument("--ncu-shapes", help="OUTxIN,...: launch the tuned 2:4 kernel once each, for ncu")
+    p.add_argument("--ncu-batch", type=int, default=1, help="rows of x for --ncu-shapes (the SpMM from 8)")
     p.add_argument("--unpack-sweep", help="OUTxIN,... or 'all': time the prefill's expansion kernels and configs")
     p.add_argument("--chain", help="MODEL,...: time the SpMV chain of a decode step (decode_chain) instead")
     p.add_argument("--pack-x", help="MODEL,...: x one row per register against bf16 pairs (pack_x_ab), at --batches")
@@ -432,7 +442,7 @@ def main():
     torch.manual_seed(0)
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}", flush=True)
     if args.ncu_shapes:
-        rows = ncu_targets(parse_shapes(args.ncu_shapes))
+        rows = ncu_targets(parse_shapes(args.ncu_shapes), args.ncu_batch)
         if args.out_json:
             args.out_json.write_text(json.dumps(rows, indent=1))
         return

@@ -23,13 +23,14 @@
 #   kernel_sweep_b1 the same sweep at batch 1 on all 16 shapes of the kernel table, with cuBLAS (~2)
 #   kernel_sweep_batches  the sweep at batch 4, 8 and 16 on the four Llama-3.1-8B shapes (~2)
 #   sparse_gpu_tests  pytest -m gpu over the sparse/ modules' tests only (~2)
-#   decode_gpu_tests  pytest -m gpu over the SpMV, SparseLinear, decode attention and generate tests (~3)
+#   decode_gpu_tests  pytest -m gpu over the SpMV, SparseLinear, decode attention and generate tests (~8)
 #   new_gpu_tests   only the GPU tests written in sessions 14-15 without a GPU: the SpMM's 2:4 nibble
 #                   expansion, RoPE and the KV write inside the decode attention, its merge in the last split (~3)
 #   kernel_ncu      Nsight Compute (full set, SASS source page with stall samples) of the tuned batch-1
 #                   SpMV on 4096x4096, 28672x4096 and 4096x14336 (~2)
 #   attention_table bench_attention.py: the decode-attention kernel alone (RoPE and KV write inside), Llama-3.1-8B
 #                   heads, batch 1/4/8/16, 768 and 4096 slots, over program targets, slots a block and the merge (~2)
+#   spmm_ncu        the same for the tuned 2:4 SpMM at 8 rows (the batch-8 decode step's kernel) (~2)
 #   attention_ncu   Nsight Compute (full set, SASS with stall samples) of the attention's partial kernel at batch 8 (~2)
 #   spmm            gpu_spmm_check.sh bench: tensor-core SpMM vs SpMV vs cuBLAS (~3)
 #   decode_b1       Llama-3.1-8B dense + GPT-Fast (needs .gptfast carried) + 2:4..16:32, --profile (~7; GPT-Fast's
@@ -108,8 +109,9 @@ declare -A JOBS=(
   [new_gpu_tests]="python3 -m pytest -v -m gpu tests/test_sparse_spmm.py tests/test_decode_attention.py -k 'llama_shape or model_decode_matches_sdpa'"
   [decode_gpu_tests]="python3 -m pytest -v -m gpu tests/test_sparse_kernels.py tests/test_sparse_linear.py tests/test_decode_attention.py tests/test_generate.py"
   [kernel_ncu]="ncu --clock-control none --nvtx --nvtx-include 'spmv/' --set full --import-source yes -o \$JOB/spmv python3 scripts/bench_kernel.py --ncu-shapes 4096x4096,28672x4096,4096x14336 --out-json \$JOB/targets.json && ncu -i \$JOB/spmv.ncu-rep --page details --csv > \$JOB/details.csv && ncu -i \$JOB/spmv.ncu-rep --page source --print-source sass --csv > \$JOB/source_sass.csv"
+  [spmm_ncu]="ncu --clock-control none --nvtx --nvtx-include 'spmm/' --set full --import-source yes -o \$JOB/spmm python3 scripts/bench_kernel.py --ncu-shapes 4096x4096,28672x4096,4096x14336 --ncu-batch 8 --out-json \$JOB/targets.json && ncu -i \$JOB/spmm.ncu-rep --page details --csv > \$JOB/details.csv && ncu -i \$JOB/spmm.ncu-rep --page source --print-source sass --csv > \$JOB/source_sass.csv"
   [attention_table]="python3 scripts/bench_attention.py --out-md \$JOB/attention.md --out-json \$JOB/attention.json"
-  [attention_ncu]="ncu --clock-control none --kernel-name regex:_partial_attention_kernel --launch-count 3 --set full --import-source yes -o \$JOB/attention python3 scripts/bench_attention.py --batches 8 --slots 768 --targets 264 --blocks 32 && ncu -i \$JOB/attention.ncu-rep --page details --csv > \$JOB/details.csv && ncu -i \$JOB/attention.ncu-rep --page source --print-source sass --csv > \$JOB/source_sass.csv"
+  [attention_ncu]="ncu --clock-control none --kernel-name regex:_partial_attention_kernel --launch-count 3 --set full --import-source yes -o \$JOB/attention python3 scripts/bench_attention.py --batches 8 --slots 768 --targets 264 --blocks 64 && ncu -i \$JOB/attention.ncu-rep --page details --csv > \$JOB/details.csv && ncu -i \$JOB/attention.ncu-rep --page source --print-source sass --csv > \$JOB/source_sass.csv"
   [spmm]="env OUT=\$JOB bash scripts/gpu_spmm_check.sh bench"
   [decode_b1]="env GPTFAST_PROFILE=\$JOB/profile_gptfast.txt $DECODE --models Llama-3.1-8B --patterns dense,2:4,4:8,8:16,16:32 --batch_sizes 1 --profile --gptfast .gptfast --gptfast_timeout_s 240 --out \$JOB"
   [decode_gptfast]="$DECODE --models Llama-3.1-8B --patterns dense --batch_sizes 1 --gptfast .gptfast --gptfast_timeout_s 450 --out \$JOB"
