@@ -125,7 +125,7 @@ def main():
     p.add_argument("--batches", default="1,4,8,16")
     p.add_argument("--slots", default="768,4096", help="cache lengths (all slots in use)")
     p.add_argument("--targets", default="132,264,528,1056", help="PROGRAMS_TARGET values")
-    p.add_argument("--blocks", default="16,32,64", help="BLOCK_SLOTS values")
+    p.add_argument("--blocks", default="32,64,128", help="BLOCK_SLOTS values")
     p.add_argument("--merges", default="1", help="MERGE_IN_LAST_SPLIT values (1, 0 or 1,0)")
     p.add_argument("--v-with-k", default="0,1", help="LOAD_V_WITH_K values")
     p.add_argument("--out-md", type=Path)

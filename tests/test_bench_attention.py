@@ -17,9 +17,10 @@ def test_bench_attention_under_the_interpreter():
 
 @interpreted
 @pytest.mark.parametrize("target,block,merge,v_with_k", [(264, 32, True, False), (8, 16, False, True),
-                                                         (1056, 64, True, True)])
+                                                         (1056, 64, True, True), (264, 128, True, False)])
 def test_every_benchmarked_setting_matches_the_reference(target, block, merge, v_with_k):
-    # GQA 4:1 over 80 slots (not a multiple of any block): 1, 3 or more splits per row and KV head.
+    # GQA 4:1 over 80 slots (not a multiple of any block): 1, 3 or more splits per row and KV head,
+    # or one split in one part-filled block (128).
     case = bench_attention.attention_case(2, 8, 2, 16, 80, device="cpu", dtype=torch.float32, seed=3)
     previous = bench_attention.with_settings(target, block, merge, v_with_k)
     try:
