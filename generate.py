@@ -43,13 +43,14 @@ EOS_CHECK_INTERVAL = 8  # decode steps between the host's looks at "has every ro
 # of ARGMAX_CHUNKS slices and an argmax over the slices; 0: one argmax. Inductor gives a one-row
 # reduction to one program that walks the whole row: the race was 37 µs of a Llama-3 step at batch
 # 1 on the H200 for ~1 MB of logits and noise (docs/BENCHMARKS.md, session 8), the slices give each
-# row ARGMAX_CHUNKS programs. Same index as torch.argmax (the first maximum). Off until timed
-# (docs/KERNEL_NOTES.md, session 16).
-ARGMAX_CHUNKS = 0
+# row ARGMAX_CHUNKS programs. Same index as torch.argmax (the first maximum). On since session 17:
+# 36 -> 8 µs a step at batch 1 and 69 -> 8 µs at batch 8 (2:4 Llama-3.1-8B, H200, docs/BENCHMARKS.md).
+ARGMAX_CHUNKS = 64
 # The top-k threshold the same way: torch.topk of each of TOPK_CHUNKS slices of the row, then of
 # their union (every one of a row's k largest values is among its slice's k largest, so the values
 # are torch.topk's exactly). torch.topk over a 128,256-wide row was ~51 µs in ~19 launches of a
-# Llama-3 step (docs/BENCHMARKS.md, session 8). 0: one torch.topk. Off until timed.
+# Llama-3 step (docs/BENCHMARKS.md, session 8). 0: one torch.topk. Off: in 64 slices it took 75 µs a
+# step at batch 1 and 149 at batch 8 against 43 and 48 (each slice gets torch's single-block select).
 TOPK_CHUNKS = 0
 
 

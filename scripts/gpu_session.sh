@@ -38,9 +38,9 @@
 #                   autograd on, it outlasted 220 and 250 s)
 #   decode_gptfast  Llama-3.1-8B our dense + GPT-Fast alone, GPT-Fast given 450 s (~4.5)
 #   decode_b1_ours  the same without GPT-Fast, dense and 2:4 only (~4)
-#   decode_sampling_b1  Llama-3.1-8B 2:4 at batch 1 with --profile, one process each: this tree, the vocabulary's
-#                   argmax in 64 slices (generate.ARGMAX_CHUNKS), and that with the top-k threshold in 64 slices
-#                   too (generate.TOPK_CHUNKS); sampling costs dense the same (~5)
+#   decode_sampling_b1  Llama-3.1-8B 2:4 at batch 1 with --profile, one process each: this tree (the vocabulary's
+#                   argmax in 64 slices since session 17), the argmax in one piece (generate.ARGMAX_CHUNKS 0), and
+#                   the top-k threshold in 64 slices too (generate.TOPK_CHUNKS); sampling costs dense the same (~5)
 #   decode_b1_patterns  our dense and 4:8, 8:16, 16:32, each in a fresh process (~6)
 #   decode_batches  Llama-3.1-8B dense and 2:4 at batch 4 and 8 (~8)
 #   decode_prologue_ab_b1  Llama-3.1-8B 2:4 at batch 1, A/B in alternating fresh processes
@@ -55,11 +55,11 @@
 #                   the attention's grid aimed at 1056 programs instead of 264 (more, shorter splits) (~8)
 #   decode_pending_b18  session 16's four untimed switches in one call: Llama-3.1-8B 2:4 at batch 1 and 8 with
 #                   --profile, one process each: this tree, the SpMM's pairs prefetched, V loaded with K, the
-#                   sliced argmax and top-k (~8)
+#                   sliced top-k (with the sliced argmax, on since session 17) (~8; ran 2026-12-04)
 #   decode_v_with_k_b148  Llama-3.1-8B 2:4 at batch 1, 4 and 8 with --profile, one process each: this tree, then the
 #                   attention loading each block's V with its K (decode_attention.LOAD_V_WITH_K) (~6)
-#   dense_spread    dense_spread.sh: our dense at batch 1 three times, each with a fresh Inductor cache, and
-#                   the GEMV configs each process's coordinate descent picked (~7)
+#   dense_spread    dense_spread.sh: our dense at batch 1 with --profile twice, each with a fresh Inductor cache,
+#                   then once reusing the first's cache, and the GEMV configs each cache holds (~8)
 #   decode_spmm_prefetch_b816  the SpMM's 2:4 value pairs loaded a K step ahead (spmm.PREFETCH_2OF4_PAIRS): its GPU
 #                   test on the Llama shapes, then Llama-3.1-8B 2:4 at batch 8 and 16 with --profile, this tree
 #                   against the prefetch on, one process each (~6)
@@ -89,7 +89,7 @@ NO_MERGE="decode_attention.py:s/^MERGE_IN_LAST_SPLIT = True/MERGE_IN_LAST_SPLIT 
 NO_ROPE="decode_attention.py:s/^FUSE_ROPE_AND_CACHE_WRITE = True/FUSE_ROPE_AND_CACHE_WRITE = False/"
 NO_SPMM8="sparse/linear.py:s/^SPMM_MIN_ROWS_2OF4 = 8/SPMM_MIN_ROWS_2OF4 = 9/"
 PREFETCH_PAIRS="sparse/spmm.py:s/^PREFETCH_2OF4_PAIRS = False/PREFETCH_2OF4_PAIRS = True/"
-ARGMAX64="generate.py:s/^ARGMAX_CHUNKS = 0/ARGMAX_CHUNKS = 64/"
+ARGMAX_WHOLE="generate.py:s/^ARGMAX_CHUNKS = 64/ARGMAX_CHUNKS = 0/"
 TOPK64="generate.py:s/^TOPK_CHUNKS = 0/TOPK_CHUNKS = 64/"
 V_WITH_K="decode_attention.py:s/^LOAD_V_WITH_K = False/LOAD_V_WITH_K = True/"
 PROGRAMS1056="decode_attention.py:s/^PROGRAMS_TARGET = 264 /PROGRAMS_TARGET = 1056 /"
@@ -116,14 +116,14 @@ declare -A JOBS=(
   [decode_b1]="env GPTFAST_PROFILE=\$JOB/profile_gptfast.txt $DECODE --models Llama-3.1-8B --patterns dense,2:4,4:8,8:16,16:32 --batch_sizes 1 --profile --gptfast .gptfast --gptfast_timeout_s 240 --out \$JOB"
   [decode_gptfast]="$DECODE --models Llama-3.1-8B --patterns dense --batch_sizes 1 --gptfast .gptfast --gptfast_timeout_s 450 --out \$JOB"
   [decode_b1_ours]="$DECODE --models Llama-3.1-8B --patterns dense,2:4 --batch_sizes 1 --profile --out \$JOB"
-  [decode_sampling_b1]="OUT=\$JOB bash scripts/decode_variants.sh 1 'base=' 'argmax64=$ARGMAX64' 'both64=$ARGMAX64;$TOPK64' -- --models Llama-3.1-8B --patterns 2:4 --batch_sizes 1 --profile"
+  [decode_sampling_b1]="OUT=\$JOB bash scripts/decode_variants.sh 1 'base=' 'argmax_whole=$ARGMAX_WHOLE' 'topk64=$TOPK64' -- --models Llama-3.1-8B --patterns 2:4 --batch_sizes 1 --profile"
   [decode_b1_patterns]="$DECODE --models Llama-3.1-8B --patterns dense,4:8,8:16,16:32 --batch_sizes 1 --out \$JOB"
   [decode_prologue_ab_b1]="OUT=\$JOB bash scripts/decode_ab.sh 'sparse/linear.py:s/^PROLOGUE_APART_MIN_ROWS = 4/PROLOGUE_APART_MIN_ROWS = 1/' 1 1 -- --models Llama-3.1-8B --patterns 2:4"
   [decode_attention_off_b48]="OUT=\$JOB bash scripts/decode_variants.sh 1 'on=' 'spmv8=$NO_SPMM8' 'no_merge=$NO_MERGE' 'off=$NO_MERGE;$NO_ROPE' -- --models Llama-3.1-8B --patterns 2:4 --batch_sizes 4,8 --profile"
   [decode_attention_programs_b48]="OUT=\$JOB bash scripts/decode_variants.sh 1 'base=' 'programs1056=$PROGRAMS1056' -- --models Llama-3.1-8B --patterns dense,2:4 --batch_sizes 4,8 --profile"
-  [decode_pending_b18]="OUT=\$JOB bash scripts/decode_variants.sh 1 'base=' 'prefetch=$PREFETCH_PAIRS' 'v_with_k=$V_WITH_K' 'sampling=$ARGMAX64;$TOPK64' -- --models Llama-3.1-8B --patterns 2:4 --batch_sizes 1,8 --profile"
+  [decode_pending_b18]="OUT=\$JOB bash scripts/decode_variants.sh 1 'base=' 'prefetch=$PREFETCH_PAIRS' 'v_with_k=$V_WITH_K' 'sampling=$TOPK64' -- --models Llama-3.1-8B --patterns 2:4 --batch_sizes 1,8 --profile"
   [decode_v_with_k_b148]="OUT=\$JOB bash scripts/decode_variants.sh 1 'base=' 'v_with_k=$V_WITH_K' -- --models Llama-3.1-8B --patterns 2:4 --batch_sizes 1,4,8 --profile"
-  [dense_spread]="OUT=\$JOB bash scripts/dense_spread.sh 3"
+  [dense_spread]="OUT=\$JOB bash scripts/dense_spread.sh 2"
   [decode_spmm_prefetch_b816]="python3 -m pytest -q -m gpu tests/test_sparse_spmm.py -k 'llama_shapes and prefetched'; OUT=\$JOB bash scripts/decode_variants.sh 1 'base=' 'prefetch=$PREFETCH_PAIRS' -- --models Llama-3.1-8B --patterns 2:4 --batch_sizes 8,16 --profile"
   [decode_spmm_ab_b8]="OUT=\$JOB bash scripts/decode_ab.sh '$NO_SPMM8' 1 8 -- --models Llama-3.1-8B --patterns 2:4"
   [decode_prologue_ab_b23]="OUT=\$JOB bash scripts/decode_ab.sh 'sparse/linear.py:s/^PROLOGUE_APART_MIN_ROWS = 4/PROLOGUE_APART_MIN_ROWS = 2/' 1 2,3 -- --models Llama-3.1-8B --patterns 2:4"
