@@ -49,7 +49,8 @@ MERGE_IN_LAST_SPLIT = True
 # Load a block's V with its K, before the scores, instead of after the softmax: the SASS had the V
 # loads behind the softmax's cross-warp reductions (10 CTA barriers a trip), so each block waited on two
 # DRAM round trips one after the other (kernel_sass --attention; docs/KERNEL_NOTES.md session 16).
-# Off: timed in session 17 it gained 0.3-0.7 us a call with 32-slot blocks and nothing with 64.
+# Off: timed in session 17 (the kernel alone) it gained 2-8 % with 32-slot blocks and moved -4 % to
+# +2 % with 64.
 LOAD_V_WITH_K = False
 
 
