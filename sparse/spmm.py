@@ -37,8 +37,8 @@ shapes at 16 rows ran 0.62-0.89x of cuBLAS with it against 0.45-0.50x with the g
 (EXPAND_2OF4_BY_NIBBLE, on).
 
 With PREFETCH_2OF4_PAIRS the 2:4 value pairs are loaded with the mask words, a step before their
-expansion, so that no trip waits on its own loads (statically 126 registers against 86; not yet
-timed: docs/KERNEL_NOTES.md, session 16).
+expansion, so that no trip waits on its own loads (statically 126 registers against 86). Timed
+on the H200 it gained nothing (121 -> 123 µs a layer at 8 rows, docs/KERNEL_NOTES.md session 17): off.
 
 Where the grid would be too small to fill the GPU, K is split over programs; their fp32
 partial sums meet in the workspace that `kernels.spmv` also uses (`_store_or_reduce`).
@@ -63,7 +63,8 @@ EXPAND_2OF4_BY_NIBBLE = True
 # before they are expanded (a 2:4 tile's pairs sit at fixed offsets, no word needed to find them),
 # instead of in the step that expands them. The SASS of the loop (kernel_sass.compile_spmm) had each
 # pair's LDG.128 42-99 instructions before its first PRMT, in the same trip: every trip waited on
-# one DRAM round trip. Off until timed on the GPU (docs/KERNEL_NOTES.md, session 16).
+# one DRAM round trip. Off: timed in session 17 the SpMM at 8 rows went 121 -> 123 µs a layer with it
+# (predicted 85-100): the loop is not waiting on those loads (docs/KERNEL_NOTES.md, session 17).
 PREFETCH_2OF4_PAIRS = False
 
 
