@@ -35,6 +35,7 @@ for ((i = 1; i <= n; i++)); do
 done
 dense_run 1r "${caches[0]}"
 rm -rf "${caches[@]}"
+# Run 1r shares run 1's cache, so its count is 0 unless it tuned anew (the cache was not reused).
 for run in $(seq 2 "$n") 1r; do
   echo "kernels tuned differently in run 1 and run $run: $(diff "$OUT/best_configs_1.txt" "$OUT/best_configs_$run.txt" | grep -c '^<')"
 done

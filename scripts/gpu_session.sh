@@ -28,9 +28,9 @@
 #                   expansion, RoPE and the KV write inside the decode attention, its merge in the last split (~3)
 #   kernel_ncu      Nsight Compute (full set, SASS source page with stall samples) of the tuned batch-1
 #                   SpMV on 4096x4096, 28672x4096 and 4096x14336 (~2)
+#   spmm_ncu        kernel_ncu's profile of the tuned 2:4 SpMM at 8 rows (the batch-8 decode step's kernel) (~2)
 #   attention_table bench_attention.py: the decode-attention kernel alone (RoPE and KV write inside), Llama-3.1-8B
 #                   heads, batch 1/4/8/16, 768 and 4096 slots, over program targets, slots a block and the merge (~2)
-#   spmm_ncu        the same for the tuned 2:4 SpMM at 8 rows (the batch-8 decode step's kernel) (~2)
 #   attention_ncu   Nsight Compute (full set, SASS with stall samples) of the attention's partial kernel at batch 8 (~2)
 #   spmm            gpu_spmm_check.sh bench: tensor-core SpMM vs SpMV vs cuBLAS (~3)
 #   decode_b1       Llama-3.1-8B dense + GPT-Fast (needs .gptfast carried) + 2:4..16:32, --profile (~7; GPT-Fast's
