@@ -52,6 +52,15 @@ MERGE_IN_LAST_SPLIT = True
 # Off: timed in session 17 (the kernel alone) it gained 2-8 % with 32-slot blocks and moved -4 % to
 # +2 % with 64.
 LOAD_V_WITH_K = False
+# Walk a split's blocks in a software-pipelined loop (Triton's `tl.range(num_stages=...)`): the next
+# blocks' K and V are copied to shared memory while this one is scored. Nsight Compute at batch 8
+# (docs/BENCHMARKS.md session 18) found the kernel waiting on its own loads (long-scoreboard stalls
+# 37-39 % of samples, two warps a scheduler, DRAM 31 % busy), not on its barriers (8-9 %). The
+# pipelined loop has no branch around empty blocks (the pipeliner needs a straight loop): it stops
+# at the new token's slot instead, and a block with nothing kept leaves the running max at -inf
+# without a NaN. 1: the plain loop. Off until timed on the GPU (KERNEL_NOTES session 18 says what
+# it should move).
+PIPELINE_STAGES = 1
 
 
 @triton.jit
@@ -80,6 +89,28 @@ def _load_rotated(ptr, row_offsets, row_ok, cos, sin, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
+def _attend_block(q, k_ptr, v_ptr, offsets, keep, max_score, total, acc, scale, V_WITH_K: tl.constexpr,
+                  IEEE: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
+    """One block of slots folded into the online softmax: returns the new (max score, sum of exp,
+    unnormalised p·V). A block with nothing kept (only the pipelined loop sends one) changes
+    nothing: the max it uses is 0 where every score so far is -inf, so no -inf - -inf appears."""
+    k = tl.load(k_ptr + offsets, mask=keep[:, None], other=0.0)
+    if V_WITH_K:
+        v = tl.load(v_ptr + offsets, mask=keep[:, None], other=0.0)
+    scores = _dot(q, tl.trans(k), IEEE, INTERPRETER_SAFE) * scale  # [GROUP, BLOCK] fp32
+    scores = tl.where(keep[None, :], scores, float("-inf"))
+    new_max = tl.maximum(max_score, tl.max(scores, axis=1))
+    finite_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+    rescale = tl.exp(max_score - finite_max)
+    p = tl.exp(scores - finite_max[:, None])
+    total = total * rescale + tl.sum(p, axis=1)
+    if not V_WITH_K:
+        v = tl.load(v_ptr + offsets, mask=keep[:, None], other=0.0)
+    acc = acc * rescale[:, None] + _dot(p.to(v.dtype), v, IEEE, INTERPRETER_SAFE)
+    return new_max, total, acc
+
+
+@triton.jit
 def _partial_attention_kernel(q_ptr, k_ptr, v_ptr, keep_ptr, acc_ptr, stats_ptr, out_ptr, arrivals_ptr,
                               new_k_ptr, new_v_ptr, cos_ptr, sin_ptr, write_slot_ptr,
                               n_kv_heads, n_slots, slots_per_split, scale,
@@ -88,7 +119,8 @@ def _partial_attention_kernel(q_ptr, k_ptr, v_ptr, keep_ptr, acc_ptr, stats_ptr,
                               GROUP_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                               BLOCK: tl.constexpr, ROPE_AND_WRITE: tl.constexpr, MERGE: tl.constexpr,
                               MERGE_HEADS: tl.constexpr, SPLITS: tl.constexpr, MERGE_CHUNK: tl.constexpr,
-                              V_WITH_K: tl.constexpr, IEEE: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
+                              V_WITH_K: tl.constexpr, STAGES: tl.constexpr, IEEE: tl.constexpr,
+                              INTERPRETER_SAFE: tl.constexpr):
     """Partial attention of the GROUP_SIZE query heads of one KV head over one split of the slots.
 
     Writes acc (unnormalised sum of p·V, fp32) and stats (max score, sum of exp) per query head and
@@ -132,24 +164,24 @@ def _partial_attention_kernel(q_ptr, k_ptr, v_ptr, keep_ptr, acc_ptr, stats_ptr,
     max_score = tl.full([GROUP], float("-inf"), tl.float32)
     total = tl.zeros([GROUP], tl.float32)
     acc = tl.zeros([GROUP, HEAD_DIM], tl.float32)
-    for start in range(first, last, BLOCK):
-        slots = start + tl.arange(0, BLOCK)
-        keep = tl.load(keep_ptr + b * keep_stride_b + slots, mask=slots < last, other=0) != 0
-        if tl.max(keep.to(tl.int32), axis=0) > 0:
+    if STAGES > 1:
+        stop = last
+        if ROPE_AND_WRITE:  # no slot after the new token's is kept in a decode step
+            stop = tl.minimum(last, write_slot + 1)
+        for start in tl.range(first, stop, BLOCK, num_stages=STAGES):
+            slots = start + tl.arange(0, BLOCK)
+            keep = tl.load(keep_ptr + b * keep_stride_b + slots, mask=slots < stop, other=0) != 0
             offsets = kv_base + slots[:, None] * kv_stride_s + dims[None, :]
-            k = tl.load(k_ptr + offsets, mask=keep[:, None], other=0.0)
-            if V_WITH_K:
-                v = tl.load(v_ptr + offsets, mask=keep[:, None], other=0.0)
-            scores = _dot(q, tl.trans(k), IEEE, INTERPRETER_SAFE) * scale  # [GROUP, BLOCK] fp32
-            scores = tl.where(keep[None, :], scores, float("-inf"))
-            new_max = tl.maximum(max_score, tl.max(scores, axis=1))
-            rescale = tl.exp(max_score - new_max)
-            p = tl.exp(scores - new_max[:, None])
-            total = total * rescale + tl.sum(p, axis=1)
-            if not V_WITH_K:
-                v = tl.load(v_ptr + offsets, mask=keep[:, None], other=0.0)
-            acc = acc * rescale[:, None] + _dot(p.to(v.dtype), v, IEEE, INTERPRETER_SAFE)
-            max_score = new_max
+            max_score, total, acc = _attend_block(q, k_ptr, v_ptr, offsets, keep, max_score, total, acc, scale,
+                                                  V_WITH_K, IEEE, INTERPRETER_SAFE)
+    else:
+        for start in range(first, last, BLOCK):
+            slots = start + tl.arange(0, BLOCK)
+            keep = tl.load(keep_ptr + b * keep_stride_b + slots, mask=slots < last, other=0) != 0
+            if tl.max(keep.to(tl.int32), axis=0) > 0:  # skip blocks with nothing kept (past the new token)
+                offsets = kv_base + slots[:, None] * kv_stride_s + dims[None, :]
+                max_score, total, acc = _attend_block(q, k_ptr, v_ptr, offsets, keep, max_score, total, acc, scale,
+                                                      V_WITH_K, IEEE, INTERPRETER_SAFE)
     n_splits = tl.num_programs(1)
     heads = (kv_head * GROUP_SIZE + rows) + b * (n_kv_heads * GROUP_SIZE)  # flat (batch, query head)
     tl.store(acc_ptr + (heads * n_splits + split)[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_ok[:, None])
@@ -274,7 +306,8 @@ def _attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, keep: Tensor, new_k=Non
         new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1), cos.stride(0),
         GROUP_SIZE=group_size, GROUP=max(16, triton.next_power_of_2(group_size)), HEAD_DIM=head_dim,
         BLOCK=BLOCK_SLOTS, ROPE_AND_WRITE=rope_and_write, MERGE=merge, MERGE_HEADS=merge_heads, SPLITS=split_tile,
-        MERGE_CHUNK=merge_chunk, V_WITH_K=LOAD_V_WITH_K, IEEE=q.dtype == torch.float32, INTERPRETER_SAFE=INTERPRETING)
+        MERGE_CHUNK=merge_chunk, V_WITH_K=LOAD_V_WITH_K, STAGES=PIPELINE_STAGES, IEEE=q.dtype == torch.float32,
+        INTERPRETER_SAFE=INTERPRETING)
     if not merge:
         _merge_splits_kernel[(batch * n_heads,)](acc, stats, out, splits, SPLITS=split_tile, CHUNK=merge_chunk,
                                                  HEAD_DIM=head_dim)

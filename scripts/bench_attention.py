@@ -3,8 +3,8 @@
 A whole-model A/B of one attention setting costs a fresh compiled process (~1-2 minutes on the
 H200); this times the kernel for many settings in one: the grid's program target
 (`PROGRAMS_TARGET`: how many splits the cache is cut into), the slots a program walks per block
-(`BLOCK_SLOTS`), the merge in the last split (`MERGE_IN_LAST_SPLIT`) and V loaded with K
-(`LOAD_V_WITH_K`), at each batch size and
+(`BLOCK_SLOTS`), the merge in the last split (`MERGE_IN_LAST_SPLIT`), V loaded with K
+(`LOAD_V_WITH_K`) and the software-pipelined block loop (`PIPELINE_STAGES`), at each batch size and
 cache length, with RoPE and the KV write inside (`decode_attention_with_cache_write`, the model's
 path). Every slot of the cache is in use (the new token at the last slot), the worst case of a
 decode step at that length.
@@ -56,7 +56,8 @@ def reference_attention(case: tuple) -> torch.Tensor:
     return torch.einsum("bhs,bhsd->bhd", scores.softmax(dim=-1), v)
 
 
-SETTINGS = ("PROGRAMS_TARGET", "BLOCK_SLOTS", "MERGE_IN_LAST_SPLIT", "LOAD_V_WITH_K")  # decode_attention's
+# decode_attention's switches, in the order of a setting tuple
+SETTINGS = ("PROGRAMS_TARGET", "BLOCK_SLOTS", "MERGE_IN_LAST_SPLIT", "LOAD_V_WITH_K", "PIPELINE_STAGES")
 
 
 def with_settings(*values):
@@ -67,7 +68,7 @@ def with_settings(*values):
     return previous
 
 
-def bench(models, batches, slot_counts, targets, blocks, merges, v_with_k) -> list:
+def bench(models, batches, slot_counts, targets, blocks, merges, v_with_k, stages) -> list:
     rows = []
     for model in models:
         config = ModelArgs.from_name(model)
@@ -78,22 +79,24 @@ def bench(models, batches, slot_counts, targets, blocks, merges, v_with_k) -> li
                 layers = [attention_case(batch, n_heads, n_kv_heads, head_dim, slots, seed=layer,
                                          rope_base=config.rope_base)
                           for layer in range(kernels.copies_for(kv_bytes))]
-                for target, block, merge, v_early in itertools.product(targets, blocks, merges, v_with_k):
-                    previous = with_settings(target, block, merge, v_early)
+                for setting in itertools.product(targets, blocks, merges, v_with_k, stages):
+                    target, block, merge, v_early, pipeline = setting
+                    previous = with_settings(*setting)
                     try:
                         out = decode_attention.decode_attention_with_cache_write(*layers[0]).float()
                         reference = reference_attention(layers[0])
                         error = float((out - reference).norm() / reference.norm())
                         if not error < 1e-2:
                             raise AssertionError(f"{model} b{batch} {slots} slots, target {target}, block "
-                                                 f"{block}, merge {merge}, V with K {v_early}: relative "
+                                                 f"{block}, merge {merge}, V with K {v_early}, stages "
+                                                 f"{pipeline}: relative "
                                                  f"error {error:.2e}")
                         us = kernels.time_in_cuda_graph(
                             [lambda c=c: decode_attention.decode_attention_with_cache_write(*c) for c in layers])
                     finally:
                         with_settings(*previous)
                     row = dict(model=model, batch=batch, slots=slots, programs_target=target, block_slots=block,
-                               merge_in_last_split=merge, v_with_k=v_early, us=round(us, 2),
+                               merge_in_last_split=merge, v_with_k=v_early, pipeline_stages=pipeline, us=round(us, 2),
                                gb_s=round(kv_bytes / us / 1e3), error=error)
                     rows.append(row)
                     print(json.dumps(row), flush=True)
@@ -104,10 +107,10 @@ def bench(models, batches, slot_counts, targets, blocks, merges, v_with_k) -> li
 
 def markdown_table(rows: list) -> str:
     """One line per (model, slots, batch): the committed setting's time, and the fastest setting."""
-    keys = ("programs_target", "block_slots", "merge_in_last_split", "v_with_k")
+    keys = ("programs_target", "block_slots", "merge_in_last_split", "v_with_k", "pipeline_stages")
     committed = tuple(getattr(decode_attention, name) for name in SETTINGS)
-    lines = ["| model | slots | batch | committed µs (GB/s) | fastest µs (GB/s) | its target / block / merge / V with K |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| model | slots | batch | committed µs (GB/s) | fastest µs (GB/s) "
+             "| its target / block / merge / V with K / stages |", "|---|---|---|---|---|---|"]
     cases = sorted({(r["model"], r["slots"], r["batch"]) for r in rows})
     for case in cases:
         group = [r for r in rows if (r["model"], r["slots"], r["batch"]) == case]
@@ -128,6 +131,7 @@ def main():
     p.add_argument("--blocks", default="32,64,128", help="BLOCK_SLOTS values")
     p.add_argument("--merges", default="1", help="MERGE_IN_LAST_SPLIT values (1, 0 or 1,0)")
     p.add_argument("--v-with-k", default="0,1", help="LOAD_V_WITH_K values")
+    p.add_argument("--stages", default="1", help="PIPELINE_STAGES values, e.g. 1,2,3")
     p.add_argument("--out-md", type=Path)
     p.add_argument("--out-json", type=Path)
     args = p.parse_args()
@@ -140,7 +144,7 @@ def main():
         except ValueError as e:
             sys.exit(f"bench_attention.py: {e}")
     rows = bench(args.models.split(","), ints(args.batches), ints(args.slots), ints(args.targets), ints(args.blocks),
-                 [bool(v) for v in ints(args.merges)], [bool(v) for v in ints(args.v_with_k)])
+                 [bool(v) for v in ints(args.merges)], [bool(v) for v in ints(args.v_with_k)], ints(args.stages))
     table = markdown_table(rows)
     print(table)
     for path, text in ((args.out_json, json.dumps(rows, indent=1)), (args.out_md, table + "\n")):

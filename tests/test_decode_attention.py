@@ -49,10 +49,13 @@ def assert_arrivals_zeroed():
 @interpreted
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("dtype,bound", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
-@pytest.mark.parametrize("merge_in_last_split,v_with_k", [(False, False), (True, False), (True, True)])
-def test_decode_attention_matches_float64(case, dtype, bound, merge_in_last_split, v_with_k, monkeypatch):
+# The plain loop at each merge / V-with-K setting, and the software-pipelined one (PIPELINE_STAGES 2).
+@pytest.mark.parametrize("merge_in_last_split,v_with_k,stages",
+                         [(False, False, 1), (True, False, 1), (True, True, 1), (True, False, 2)])
+def test_decode_attention_matches_float64(case, dtype, bound, merge_in_last_split, v_with_k, stages, monkeypatch):
     monkeypatch.setattr(decode_attention, "MERGE_IN_LAST_SPLIT", merge_in_last_split)
     monkeypatch.setattr(decode_attention, "LOAD_V_WITH_K", v_with_k)
+    monkeypatch.setattr(decode_attention, "PIPELINE_STAGES", stages)
     q, k, v, keep = random_case(*case, dtype=dtype, seed=case_seed(case))
     out = decode_attention.decode_attention(q, k, v, keep)
     assert out.shape == q.shape and out.dtype == dtype
@@ -61,11 +64,14 @@ def test_decode_attention_matches_float64(case, dtype, bound, merge_in_last_spli
 
 
 @interpreted
-@pytest.mark.parametrize("merge_in_last_split", [False, True])
-def test_decode_attention_splits_over_slots(merge_in_last_split, monkeypatch):
-    # Few programs wanted -> many slots per split; many wanted -> one block per split.
+@pytest.mark.parametrize("merge_in_last_split,stages", [(False, 1), (True, 1), (True, 2)])
+def test_decode_attention_splits_over_slots(merge_in_last_split, stages, monkeypatch):
+    # Few programs wanted -> many slots per split; many wanted -> one block per split. The second
+    # row's first block is all padding: in one split, the pipelined loop (no branch around empty
+    # blocks) meets it before any kept slot.
     monkeypatch.setattr(decode_attention, "MERGE_IN_LAST_SPLIT", merge_in_last_split)
-    q, k, v, keep = random_case(1, 8, 2, 160, 16, 140, [0], torch.float32, seed=3)
+    monkeypatch.setattr(decode_attention, "PIPELINE_STAGES", stages)
+    q, k, v, keep = random_case(2, 8, 2, 200, 16, 150, [0, 100], torch.float32, seed=3)
     reference = reference_attention(q, k, v, keep)
     for target in (1, 1000):
         monkeypatch.setattr(decode_attention, "PROGRAMS_TARGET", target)
@@ -135,13 +141,17 @@ def check_rope_and_cache_write(case, dtype, bound, device="cpu", k_apart=False):
 @pytest.mark.parametrize("case,k_apart", [(case, case == ROPE_CASES[-1]) for case in ROPE_CASES])
 @pytest.mark.parametrize("dtype,bound", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 # One split of every slot; one block a split, merged by a kernel of its own or by the last split.
-@pytest.mark.parametrize("programs_target,merge_in_last_split,v_with_k",
-                         [(1, False, False), (1000, False, False), (1000, True, False), (1000, True, True)])
+# The pipelined loop stops at the new token's slot: one split of every slot shows it.
+@pytest.mark.parametrize("programs_target,merge_in_last_split,v_with_k,stages",
+                         [(1, False, False, 1), (1000, False, False, 1), (1000, True, False, 1), (1000, True, True, 1),
+                          (1, True, False, 2)])
 def test_attention_with_rope_and_cache_write_matches_the_model_path(case, k_apart, dtype, bound, programs_target,
-                                                                    merge_in_last_split, v_with_k, monkeypatch):
+                                                                    merge_in_last_split, v_with_k, stages,
+                                                                    monkeypatch):
     monkeypatch.setattr(decode_attention, "PROGRAMS_TARGET", programs_target)
     monkeypatch.setattr(decode_attention, "MERGE_IN_LAST_SPLIT", merge_in_last_split)
     monkeypatch.setattr(decode_attention, "LOAD_V_WITH_K", v_with_k)
+    monkeypatch.setattr(decode_attention, "PIPELINE_STAGES", stages)
     check_rope_and_cache_write(case, dtype, bound, k_apart=k_apart)
     assert_arrivals_zeroed()
 
@@ -179,12 +189,14 @@ def test_gpu_decode_attention_llama_shape(batch, position, merge_in_last_split, 
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("batch,position", [(1, 0), (1, 767), (4, 600)])
-@pytest.mark.parametrize("merge_in_last_split,v_with_k", [(False, False), (True, False), (True, True)])
-def test_gpu_attention_with_rope_and_cache_write_llama_shape(batch, position, merge_in_last_split, v_with_k,
+@pytest.mark.parametrize("merge_in_last_split,v_with_k,stages",
+                         [(False, False, 1), (True, False, 1), (True, True, 1), (True, False, 2), (True, False, 3)])
+def test_gpu_attention_with_rope_and_cache_write_llama_shape(batch, position, merge_in_last_split, v_with_k, stages,
                                                              monkeypatch):
     # Llama-3.1-8B's heads in bf16, the batch smaller than an 8-row cache.
     monkeypatch.setattr(decode_attention, "MERGE_IN_LAST_SPLIT", merge_in_last_split)
     monkeypatch.setattr(decode_attention, "LOAD_V_WITH_K", v_with_k)
+    monkeypatch.setattr(decode_attention, "PIPELINE_STAGES", stages)
     check_rope_and_cache_write((batch, 8, 32, 8, 768, 128, position, [0, 5, 300, 0][:batch]), torch.bfloat16,
                                1e-2, device="cuda")
 
