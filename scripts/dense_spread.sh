@@ -3,11 +3,12 @@
 # 64-79 % of the copy bandwidth, docs/BENCHMARKS.md) Inductor's tuning? Runs our dense model at
 # batch 1 with --profile in N fresh processes, each with an Inductor cache of its own (so each
 # tunes its GEMV reductions anew, as the first process on a fresh machine does), then once more
-# reusing run 1's cache (run 1r: run 1's compiled kernels and picks, a new process). Keeps the
-# configs each cache holds (the *.best_config files coordinate descent leaves there).
-#   different picks tracking the times, and run 1r as fast as run 1: the tuning;
-#   run 1r's time far from run 1's with the same picks: not the tuning (something per process).
-# The profiles give each kernel's time per step, so the kernels that move can be named.
+# reusing run 1's cache directory (run 1r). Keeps the configs each cache holds (the *.best_config
+# files coordinate descent leaves there), each with the name of the kernel it tuned, so a pick can
+# be set beside that kernel's time in the profile.
+# Run 1r was meant to keep run 1's picks; on 2026-12-04 it tuned anew instead (22 of 29 picks
+# changed; docs/BENCHMARKS.md session 18), so it is one more sample, not a control. The control
+# for "same picks, other speed" is dense_placement.py (one process, weights moved, kernels kept).
 #   usage: OUT=dir scripts/dense_spread.sh [N]     (~2.3 min a process on an H200)
 set -uo pipefail
 n=${1:-2}
@@ -17,13 +18,16 @@ dense_run() {  # dense_run LABEL CACHE_DIR
   TORCHINDUCTOR_CACHE_DIR=$2 python3 scripts/bench_decode.py --models Llama-3.1-8B --patterns dense \
     --batch_sizes 1 --profile --out "$OUT/run$1" > "$OUT/run$1.log" 2>&1 || echo "run $1: exit $?"
   python3 - "$2" > "$OUT/best_configs_$1.txt" <<'PY'
-import json, pathlib, sys
+import json, pathlib, re, sys
 # One line per tuned kernel: its cache key (a hash of the kernel's source, the same in every
 # process) and the config picked, without the fields that differ even for the same pick.
+# The kernel's name (as the profile shows it) is the def in the source file next to its config.
 for path in sorted(pathlib.Path(sys.argv[1]).rglob("*.best_config")):
     picked = {k: v for k, v in json.loads(path.read_text()).items()
               if k not in ("time_taken_ms", "triton_cache_hash", "configs_hash")}
-    print(path.name, json.dumps(picked, sort_keys=True))
+    source = path.with_suffix(".py")
+    names = re.findall(r"^def (triton_\w+)\(", source.read_text(), re.M) if source.exists() else []
+    print(path.name, names[0] if names else "?", json.dumps(picked, sort_keys=True))
 PY
   echo "run $1: $(grep -ho 'median_step_ms[^,]*' "$OUT/run$1"/*.json 2>/dev/null) $(wc -l < "$OUT/best_configs_$1.txt") tuned kernels"
 }

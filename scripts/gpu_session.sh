@@ -31,6 +31,10 @@
 #   spmm_ncu        kernel_ncu's profile of the tuned 2:4 SpMM at 8 rows (the batch-8 decode step's kernel) (~2)
 #   attention_table bench_attention.py: the decode-attention kernel alone (RoPE and KV write inside), Llama-3.1-8B
 #                   heads, batch 1/4/8/16, 768 and 4096 slots, over program targets, slots a block and the merge (~2)
+#   attention_stages  the attention's GPU tests (the pipelined loop at 2 and 3 stages among them), then bench_attention.py
+#                   at 64-slot blocks, 264 programs, PIPELINE_STAGES 1, 2, 3 (~3)
+#   decode_pipeline_b148  Llama-3.1-8B 2:4 at batch 1, 4 and 8 with --profile, one process each: this tree, then the
+#                   attention's block loop software-pipelined (decode_attention.PIPELINE_STAGES 2) (~6)
 #   attention_ncu   Nsight Compute (full set, SASS with stall samples) of the attention's partial kernel at batch 8 (~2)
 #   spmm            gpu_spmm_check.sh bench: tensor-core SpMM vs SpMV vs cuBLAS (~3)
 #   decode_b1       Llama-3.1-8B dense + GPT-Fast (needs .gptfast carried) + 2:4..16:32, --profile (~7; GPT-Fast's
@@ -59,7 +63,10 @@
 #   decode_v_with_k_b148  Llama-3.1-8B 2:4 at batch 1, 4 and 8 with --profile, one process each: this tree, then the
 #                   attention loading each block's V with its K (decode_attention.LOAD_V_WITH_K) (~6)
 #   dense_spread    dense_spread.sh: our dense at batch 1 with --profile twice, each with a fresh Inductor cache,
-#                   then once reusing the first's cache, and the GEMV configs each cache holds (~8)
+#                   then once more in the first's cache directory (which tuned anew, 2026-12-04), and the GEMV
+#                   configs each cache holds, named by kernel (~4 on a warm machine)
+#   dense_placement dense_placement.py: our dense at batch 1 in ONE process, the weights moved to new memory four
+#                   times with the compiled kernels kept (the CUDA graph re-recorded, tokens checked) (~4)
 #   decode_spmm_prefetch_b816  the SpMM's 2:4 value pairs loaded a K step ahead (spmm.PREFETCH_2OF4_PAIRS): its GPU
 #                   test on the Llama shapes, then Llama-3.1-8B 2:4 at batch 8 and 16 with --profile, this tree
 #                   against the prefetch on, one process each (~6)
@@ -92,6 +99,7 @@ PREFETCH_PAIRS="sparse/spmm.py:s/^PREFETCH_2OF4_PAIRS = False/PREFETCH_2OF4_PAIR
 ARGMAX_WHOLE="generate.py:s/^ARGMAX_CHUNKS = 64/ARGMAX_CHUNKS = 0/"
 TOPK64="generate.py:s/^TOPK_CHUNKS = 0/TOPK_CHUNKS = 64/"
 V_WITH_K="decode_attention.py:s/^LOAD_V_WITH_K = False/LOAD_V_WITH_K = True/"
+STAGES2="decode_attention.py:s/^PIPELINE_STAGES = 1/PIPELINE_STAGES = 2/"
 PROGRAMS1056="decode_attention.py:s/^PROGRAMS_TARGET = 264 /PROGRAMS_TARGET = 1056 /"
 declare -A JOBS=(
   [gpu_tests]="python3 -m pytest -v -m gpu tests"
@@ -111,6 +119,8 @@ declare -A JOBS=(
   [kernel_ncu]="ncu --clock-control none --nvtx --nvtx-include 'spmv/' --set full --import-source yes -o \$JOB/spmv python3 scripts/bench_kernel.py --ncu-shapes 4096x4096,28672x4096,4096x14336 --out-json \$JOB/targets.json && ncu -i \$JOB/spmv.ncu-rep --page details --csv > \$JOB/details.csv && ncu -i \$JOB/spmv.ncu-rep --page source --print-source sass --csv > \$JOB/source_sass.csv"
   [spmm_ncu]="ncu --clock-control none --nvtx --nvtx-include 'spmm/' --set full --import-source yes -o \$JOB/spmm python3 scripts/bench_kernel.py --ncu-shapes 4096x4096,28672x4096,4096x14336 --ncu-batch 8 --out-json \$JOB/targets.json && ncu -i \$JOB/spmm.ncu-rep --page details --csv > \$JOB/details.csv && ncu -i \$JOB/spmm.ncu-rep --page source --print-source sass --csv > \$JOB/source_sass.csv"
   [attention_table]="python3 scripts/bench_attention.py --out-md \$JOB/attention.md --out-json \$JOB/attention.json"
+  [attention_stages]="python3 -m pytest -q -m gpu tests/test_decode_attention.py; python3 scripts/bench_attention.py --targets 264 --blocks 64 --v-with-k 0 --stages 1,2,3 --out-md \$JOB/attention.md --out-json \$JOB/attention.json"
+  [decode_pipeline_b148]="OUT=\$JOB bash scripts/decode_variants.sh 1 'base=' 'stages2=$STAGES2' -- --models Llama-3.1-8B --patterns 2:4 --batch_sizes 1,4,8 --profile"
   [attention_ncu]="ncu --clock-control none --kernel-name regex:_partial_attention_kernel --launch-count 3 --set full --import-source yes -o \$JOB/attention python3 scripts/bench_attention.py --batches 8 --slots 768 --targets 264 --blocks 64 && ncu -i \$JOB/attention.ncu-rep --page details --csv > \$JOB/details.csv && ncu -i \$JOB/attention.ncu-rep --page source --print-source sass --csv > \$JOB/source_sass.csv"
   [spmm]="env OUT=\$JOB bash scripts/gpu_spmm_check.sh bench"
   [decode_b1]="env GPTFAST_PROFILE=\$JOB/profile_gptfast.txt $DECODE --models Llama-3.1-8B --patterns dense,2:4,4:8,8:16,16:32 --batch_sizes 1 --profile --gptfast .gptfast --gptfast_timeout_s 240 --out \$JOB"
@@ -124,6 +134,7 @@ declare -A JOBS=(
   [decode_pending_b18]="OUT=\$JOB bash scripts/decode_variants.sh 1 'base=' 'prefetch=$PREFETCH_PAIRS' 'v_with_k=$V_WITH_K' 'sampling=$TOPK64' -- --models Llama-3.1-8B --patterns 2:4 --batch_sizes 1,8 --profile"
   [decode_v_with_k_b148]="OUT=\$JOB bash scripts/decode_variants.sh 1 'base=' 'v_with_k=$V_WITH_K' -- --models Llama-3.1-8B --patterns 2:4 --batch_sizes 1,4,8 --profile"
   [dense_spread]="OUT=\$JOB bash scripts/dense_spread.sh 2"
+  [dense_placement]="python3 scripts/dense_placement.py --placements 4 --out \$JOB"
   [decode_spmm_prefetch_b816]="python3 -m pytest -q -m gpu tests/test_sparse_spmm.py -k 'llama_shapes and prefetched'; OUT=\$JOB bash scripts/decode_variants.sh 1 'base=' 'prefetch=$PREFETCH_PAIRS' -- --models Llama-3.1-8B --patterns 2:4 --batch_sizes 8,16 --profile"
   [decode_spmm_ab_b8]="OUT=\$JOB bash scripts/decode_ab.sh '$NO_SPMM8' 1 8 -- --models Llama-3.1-8B --patterns 2:4"
   [decode_prologue_ab_b23]="OUT=\$JOB bash scripts/decode_ab.sh 'sparse/linear.py:s/^PROLOGUE_APART_MIN_ROWS = 4/PROLOGUE_APART_MIN_ROWS = 2/' 1 2,3 -- --models Llama-3.1-8B --patterns 2:4"
