@@ -17,6 +17,9 @@ anew: what the first run of this script did (2026-12-04, docs/BENCHMARKS.md sess
   step times that move between placements as much as between processes, kernels kept: placement;
   step times within ~1 % while the addresses change: the tuned picks (or the process's state).
 
+--arena adds a last placement with every weight and buffer in ONE allocation (2 MiB-aligned views
+into it), the remedy to try if placement is the cause: one cudaMalloc instead of one per tensor.
+
   python scripts/dense_placement.py --placements 4 --out runs/dense_placement     (CUDA only)
 """
 import argparse
@@ -40,11 +43,30 @@ def move_to_fresh_storage(model):
     torch.cuda.empty_cache()
 
 
+def move_to_one_allocation(model, align: int = 2**21) -> torch.Tensor:
+    """Every parameter and buffer copied into views of one new allocation (each starting on an
+    `align` boundary), which is returned; the old storage is freed."""
+    tensors = list(model.parameters()) + list(model.buffers())
+    nbytes = [t.numel() * t.element_size() for t in tensors]
+    starts = [0]
+    for size in nbytes:
+        starts.append(starts[-1] + -(-size // align) * align)
+    arena = torch.empty(starts[-1], dtype=torch.uint8, device=tensors[0].device)
+    with torch.no_grad():
+        for tensor, start, size in zip(tensors, starts, nbytes):
+            view = arena[start:start + size].view(tensor.dtype).view(tensor.shape)
+            view.copy_(tensor.data)
+            tensor.data = view
+    torch.cuda.empty_cache()
+    return arena
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="Llama-3.1-8B")
     p.add_argument("--placements", type=int, default=4, help="weight placements after the first")
     p.add_argument("--recompile", action="store_true", help="reset Dynamo after each move (compile anew)")
+    p.add_argument("--arena", action="store_true", help="then one more placement: all weights in one allocation")
     p.add_argument("--out", type=Path, default=Path("runs/dense_placement"))
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -57,9 +79,11 @@ def main():
     check_prompts = [torch.randint(0, model.config.vocab_size, (64,), generator=torch.Generator().manual_seed(0))]
     sampling = dict(temperature=bench_args.temperature, top_k=bench_args.top_k, top_p=bench_args.top_p, seed=0,
                     compile=True)
-    spacers, rows, first_tokens = [], [], None
-    for placement in range(args.placements + 1):
-        if placement:
+    spacers, rows, first_tokens, arena = [], [], None, None
+    for placement in range(args.placements + 1 + args.arena):
+        if placement > args.placements:
+            arena = move_to_one_allocation(model)
+        elif placement:
             # A spacer of a size no earlier one had, so the fresh copies start elsewhere.
             spacers.append(torch.empty(placement * 331 * 2**20, dtype=torch.uint8, device="cuda"))
             move_to_fresh_storage(model)
@@ -69,7 +93,8 @@ def main():
             timing = time_decode(model, 1, bench_args, label=f"placement{placement}")
             row = dict(placement=placement, repeat=repeat, median_step_ms=round(timing["median_step_s"] * 1e3, 3),
                        first_weight_address=hex(model.layers[0].feed_forward.w13.weight.data_ptr()),
-                       spacer_mib=placement * 331, recompiled=bool(placement and args.recompile))
+                       spacer_mib=placement * 331 if arena is None else None, one_allocation=arena is not None,
+                       recompiled=bool(placement and args.recompile))
             rows.append(row)
             print(json.dumps(row), flush=True)
         tokens = generate.generate(model, check_prompts, bench_args.new_tokens, **sampling).sequences

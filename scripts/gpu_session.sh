@@ -66,7 +66,8 @@
 #                   then once more in the first's cache directory (which tuned anew, 2026-12-04), and the GEMV
 #                   configs each cache holds, named by kernel (~4 on a warm machine)
 #   dense_placement dense_placement.py: our dense at batch 1 in ONE process, the weights moved to new memory four
-#                   times with the compiled kernels kept (the CUDA graph re-recorded, tokens checked) (~4)
+#                   times with the compiled kernels kept (the CUDA graph re-recorded, tokens checked), then all of
+#                   them in one allocation (~4)
 #   decode_spmm_prefetch_b816  the SpMM's 2:4 value pairs loaded a K step ahead (spmm.PREFETCH_2OF4_PAIRS): its GPU
 #                   test on the Llama shapes, then Llama-3.1-8B 2:4 at batch 8 and 16 with --profile, this tree
 #                   against the prefetch on, one process each (~6)
@@ -134,7 +135,7 @@ declare -A JOBS=(
   [decode_pending_b18]="OUT=\$JOB bash scripts/decode_variants.sh 1 'base=' 'prefetch=$PREFETCH_PAIRS' 'v_with_k=$V_WITH_K' 'sampling=$TOPK64' -- --models Llama-3.1-8B --patterns 2:4 --batch_sizes 1,8 --profile"
   [decode_v_with_k_b148]="OUT=\$JOB bash scripts/decode_variants.sh 1 'base=' 'v_with_k=$V_WITH_K' -- --models Llama-3.1-8B --patterns 2:4 --batch_sizes 1,4,8 --profile"
   [dense_spread]="OUT=\$JOB bash scripts/dense_spread.sh 2"
-  [dense_placement]="python3 scripts/dense_placement.py --placements 4 --out \$JOB"
+  [dense_placement]="python3 scripts/dense_placement.py --placements 4 --arena --out \$JOB"
   [decode_spmm_prefetch_b816]="python3 -m pytest -q -m gpu tests/test_sparse_spmm.py -k 'llama_shapes and prefetched'; OUT=\$JOB bash scripts/decode_variants.sh 1 'base=' 'prefetch=$PREFETCH_PAIRS' -- --models Llama-3.1-8B --patterns 2:4 --batch_sizes 8,16 --profile"
   [decode_spmm_ab_b8]="OUT=\$JOB bash scripts/decode_ab.sh '$NO_SPMM8' 1 8 -- --models Llama-3.1-8B --patterns 2:4"
   [decode_prologue_ab_b23]="OUT=\$JOB bash scripts/decode_ab.sh 'sparse/linear.py:s/^PROLOGUE_APART_MIN_ROWS = 4/PROLOGUE_APART_MIN_ROWS = 2/' 1 2,3 -- --models Llama-3.1-8B --patterns 2:4"
