@@ -11,7 +11,8 @@ before spending device time (docs/KERNEL_NOTES.md has the budget: ~17.7 per kept
                                                            # (of the same kernel signature)
     python scripts/kernel_sass.py --attention              # decode_attention's partial kernel, with and
                                                            # without RoPE and the cache write inside, and
-                                                           # the splits' merge
+                                                           # the splits' merge (--stages 1 2: plain and
+                                                           # pipelined block loop)
 """
 import argparse
 import importlib.util
@@ -60,7 +61,8 @@ def kernels_module(revision: str = None):
 
 
 def compile_for_sm90a(kernel, types: dict, constants: dict, num_warps: int, divisible_by_16=()):
-    """(SASS text, registers, spill bytes) of a @triton.jit kernel compiled for sm_90a; types: the
+    """(SASS text, registers, spill bytes, shared-memory bytes a program) of a @triton.jit kernel
+    compiled for sm_90a; types: the
     Triton type of each argument that is not an i32 ("*bf16", "fp32", ...), constants: the
     constexpr arguments' values; divisible_by_16: the arguments the JIT would specialize as
     multiples of 16 at run time (aligned pointers, shapes like 4096), which lets the compiler
@@ -76,14 +78,15 @@ def compile_for_sm90a(kernel, types: dict, constants: dict, num_warps: int, divi
     sass = subprocess.run([str(TOOLS / "cuobjdump"), "-sass", str(folder / "k.cubin")],
                           capture_output=True, text=True, check=True).stdout
     return (sass, int(re.search(r"Used (\d+) registers", report).group(1)),
-            int(re.search(r"(\d+) bytes spill stores", report).group(1)))
+            int(re.search(r"(\d+) bytes spill stores", report).group(1)), compiled.metadata.shared)
 
 
 def compile_partial_attention(rope_and_write: bool, group_size: int = 4, head_dim: int = 128, merge: bool = False,
-                              splits: int = 32, v_with_k: bool = False) -> dict:
+                              splits: int = 32, v_with_k: bool = False, stages: int = 1) -> dict:
     """decode_attention's partial kernel for sm_90a (bf16, Llama-3.1-8B's GQA group of 4 by
     default), with or without RoPE and the cache write, with or without the merge of `splits`
-    splits in the last program: registers, spills, all instructions and the slot loop's."""
+    splits in the last program, its block loop plain or software-pipelined over `stages`:
+    registers, spills, shared memory, all instructions and the slot loop's."""
     sys.path.insert(0, str(ROOT))
     import decode_attention
     types = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", keep_ptr="*i1", acc_ptr="*fp32", stats_ptr="*fp32",
@@ -91,19 +94,22 @@ def compile_partial_attention(rope_and_write: bool, group_size: int = 4, head_di
                  out_ptr="*bf16", arrivals_ptr="*i32", scale="fp32")
     constants = dict(GROUP_SIZE=group_size, GROUP=max(16, triton.next_power_of_2(group_size)), HEAD_DIM=head_dim,
                      BLOCK=decode_attention.BLOCK_SLOTS, ROPE_AND_WRITE=rope_and_write, MERGE=merge,
-                     V_WITH_K=v_with_k, IEEE=False, INTERPRETER_SAFE=False)
+                     V_WITH_K=v_with_k, STAGES=stages, IEEE=False, INTERPRETER_SAFE=False)
     constants.update(zip(("MERGE_HEADS", "SPLITS", "MERGE_CHUNK"), decode_attention.merge_tiling(group_size, splits,
                                                                                                merge)))
     # What the JIT sees on Llama's shapes: aligned buffers, strides and slot counts in multiples of 16.
     aligned = [name for name in decode_attention._partial_attention_kernel.arg_names
                if name.endswith(("_ptr", "stride_b", "stride_h", "stride_s")) or name in ("n_slots", "slots_per_split")]
-    sass, registers, spill_bytes = compile_for_sm90a(decode_attention._partial_attention_kernel, types, constants,
-                                                     num_warps=4, divisible_by_16=aligned)
+    sass, registers, spill_bytes, shared = compile_for_sm90a(decode_attention._partial_attention_kernel, types,
+                                                             constants, num_warps=4, divisible_by_16=aligned)
     loop = [op for op, _ in innermost_loop(sass)]
     # Where the slot loop's loads sit (fraction of the loop), and its CTA barriers: K's loads come
-    # first, V's either with them (V_WITH_K) or behind the softmax's cross-warp reductions.
-    return dict(registers=registers, spill_bytes=spill_bytes, instructions=len(SASS_LINE.findall(sass)),
-                loop=len(loop), loads=sass.count("LDG"), barriers_in_loop=sum(op.startswith("BAR") for op in loop),
+    # first, V's either with them (V_WITH_K) or behind the softmax's cross-warp reductions. LDGSTS:
+    # the asynchronous copies global -> shared memory a pipelined loop issues for later blocks.
+    return dict(registers=registers, spill_bytes=spill_bytes, shared_bytes=shared,
+                instructions=len(SASS_LINE.findall(sass)), loop=len(loop), loads=sass.count("LDG"),
+                async_copies_in_loop=sum(op.startswith("LDGSTS") for op in loop),
+                barriers_in_loop=sum(op.startswith("BAR") for op in loop),
                 loop_loads_at=[round(i / len(loop), 2) for i, op in enumerate(loop) if op.startswith("LDG")])
 
 
@@ -119,7 +125,7 @@ def compile_spmm(two_of_four: bool, block_out: int = 128, words: int = 2, num_wa
                     arrivals_ptr="*i32")
     constants = dict(NNZ=16, CHUNK=8, BLOCK_OUT=block_out, BLOCK_TOKENS=block_tokens, WORDS=words,
                      TWO_OF_FOUR=two_of_four, PREFETCH_PAIRS=two_of_four and prefetch_pairs, INTERPRETER_SAFE=False)
-    sass, registers, spill_bytes = compile_for_sm90a(spmm._spmm_kernel, pointers, constants, num_warps,
+    sass, registers, spill_bytes, _ = compile_for_sm90a(spmm._spmm_kernel, pointers, constants, num_warps,
                                                      divisible_by_16=[*pointers, "n_rows", "n_words"])
     loop = [op.split(".")[0] for op, _ in innermost_loop(sass, marker="HGMMA")]
     kept_per_thread = words * 16 * block_out / (32 * num_warps)
@@ -142,7 +148,7 @@ def compile_spmv(kernels, batch: int, slices: int, prefetch: int, nnz_per_word: 
                      GATED=variant == "gated", PACKED_X=packed_x, INTERPRETER_SAFE=False)
     # The constants this revision's kernel has (older ones lack the fused operands).
     constants = {name: value for name, value in constants.items() if name in kernels._spmv_kernel.arg_names}
-    sass, registers, spill_bytes = compile_for_sm90a(kernels._spmv_kernel, types, constants, slices)
+    sass, registers, spill_bytes, _ = compile_for_sm90a(kernels._spmv_kernel, types, constants, slices)
     loop = innermost_loop(sass)
     count = lambda ops, *names: sum(op.split(".")[0] in names for op in ops)  # noqa: E731
     loop_ops = [op for op, _ in loop]
@@ -166,14 +172,17 @@ def main():
     p.add_argument("--revision", help="compile sparse/kernels.py as of this git revision instead")
     p.add_argument("--sass_out", type=Path, help="write each config's SASS into this folder")
     p.add_argument("--attention", action="store_true", help="decode_attention's partial kernel instead")
+    p.add_argument("--stages", type=int, nargs="*", default=[1],
+                   help="with --attention: the block loop's pipeline stages (decode_attention.PIPELINE_STAGES)")
     args = p.parse_args()
     if args.attention:
         for rope_and_write in (False, True):
             for merge in (False, True):
                 for v_with_k in (False, True):
-                    print(f"RoPE and cache write {rope_and_write!s:5}, merge in the last split {merge!s:5}, "
-                          f"V loaded with K {v_with_k!s:5}:",
-                          compile_partial_attention(rope_and_write, merge=merge, v_with_k=v_with_k))
+                    for stages in args.stages:
+                        print(f"RoPE and cache write {rope_and_write!s:5}, merge in the last split {merge!s:5}, "
+                              f"V loaded with K {v_with_k!s:5}, stages {stages}:",
+                              compile_partial_attention(rope_and_write, merge=merge, v_with_k=v_with_k, stages=stages))
         return
     kernels = kernels_module(args.revision)
     print(f"{'batch':>5} {'regs':>5} {'spill B':>7} {'loop':>5} {'FFMA':>5} {'FLO':>4} {'SHFL':>4} {'LDG':>4} "

@@ -61,6 +61,16 @@ def test_v_loaded_with_k_moves_every_slot_load_before_the_softmax():
     assert together["spill_bytes"] == 0 and together["registers"] <= 2 ** 16 // (3 * 128), together
 
 
+def test_pipelined_attention_loop_copies_the_next_blocks_asynchronously():
+    # PIPELINE_STAGES 2: the pipeliner must take the K and V loads (cp.async, LDGSTS, straight to
+    # shared memory; the plain loop has none) without spills or more registers than the plain loop,
+    # in shared memory that leaves three programs an SM (228 KB).
+    plain, pipelined = (kernel_sass.compile_partial_attention(True, merge=True, stages=s) for s in (1, 2))
+    assert plain["async_copies_in_loop"] == 0 and pipelined["async_copies_in_loop"] > 0, (plain, pipelined)
+    assert pipelined["spill_bytes"] == 0 and pipelined["registers"] <= plain["registers"], pipelined
+    assert 3 * pipelined["shared_bytes"] <= 228 * 1024, pipelined
+
+
 def test_2of4_prefetched_pairs_stay_in_budget():
     # PREFETCH_2OF4_PAIRS holds a step's pairs across the loop's back edge: no spills, registers
     # for four programs of 128 threads an SM (as without), instructions as without.
