@@ -32,7 +32,7 @@
 #   attention_table bench_attention.py: the decode-attention kernel alone (RoPE and KV write inside), Llama-3.1-8B
 #                   heads, batch 1/4/8/16, 768 and 4096 slots, over program targets, slots a block and the merge (~2)
 #   attention_stages  the attention's GPU tests (the pipelined loop at 2 and 3 stages among them), then bench_attention.py
-#                   at 64-slot blocks, 132 / 264 / 528 programs, PIPELINE_STAGES 1, 2, 3 (~3)
+#                   at 64- and 128-slot blocks, 132 / 264 / 528 programs, PIPELINE_STAGES 1, 2, 3 (~4)
 #   decode_pipeline_b148  Llama-3.1-8B 2:4 at batch 1, 4 and 8 with --profile, one process each: this tree, then the
 #                   attention's block loop software-pipelined (decode_attention.PIPELINE_STAGES 2) (~6)
 #   attention_ncu   Nsight Compute (full set, SASS with stall samples) of the attention's partial kernel at batch 8 (~2)
@@ -123,7 +123,7 @@ declare -A JOBS=(
   [kernel_ncu]="ncu --clock-control none --nvtx --nvtx-include 'spmv/' --set full --import-source yes -o \$JOB/spmv python3 scripts/bench_kernel.py --ncu-shapes 4096x4096,28672x4096,4096x14336 --out-json \$JOB/targets.json && ncu -i \$JOB/spmv.ncu-rep --page details --csv > \$JOB/details.csv && ncu -i \$JOB/spmv.ncu-rep --page source --print-source sass --csv > \$JOB/source_sass.csv"
   [spmm_ncu]="ncu --clock-control none --nvtx --nvtx-include 'spmm/' --set full --import-source yes -o \$JOB/spmm python3 scripts/bench_kernel.py --ncu-shapes 4096x4096,28672x4096,4096x14336 --ncu-batch 8 --out-json \$JOB/targets.json && ncu -i \$JOB/spmm.ncu-rep --page details --csv > \$JOB/details.csv && ncu -i \$JOB/spmm.ncu-rep --page source --print-source sass --csv > \$JOB/source_sass.csv"
   [attention_table]="python3 scripts/bench_attention.py --out-md \$JOB/attention.md --out-json \$JOB/attention.json"
-  [attention_stages]="python3 -m pytest -q -m gpu tests/test_decode_attention.py; python3 scripts/bench_attention.py --targets 132,264,528 --blocks 64 --v-with-k 0 --stages 1,2,3 --out-md \$JOB/attention.md --out-json \$JOB/attention.json"
+  [attention_stages]="python3 -m pytest -q -m gpu tests/test_decode_attention.py; python3 scripts/bench_attention.py --targets 132,264,528 --blocks 64,128 --v-with-k 0 --stages 1,2,3 --out-md \$JOB/attention.md --out-json \$JOB/attention.json"
   [decode_pipeline_b148]="OUT=\$JOB bash scripts/decode_variants.sh 1 'base=' 'stages2=$STAGES2' -- --models Llama-3.1-8B --patterns 2:4 --batch_sizes 1,4,8 --profile"
   [attention_ncu]="ncu --clock-control none --kernel-name regex:_partial_attention_kernel --launch-count 3 --set full --import-source yes -o \$JOB/attention python3 scripts/bench_attention.py --batches 8 --slots 768 --targets 264 --blocks 64 && ncu -i \$JOB/attention.ncu-rep --page details --csv > \$JOB/details.csv && ncu -i \$JOB/attention.ncu-rep --page source --print-source sass --csv > \$JOB/source_sass.csv"
   [spmm]="env OUT=\$JOB bash scripts/gpu_spmm_check.sh bench"
