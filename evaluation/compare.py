@@ -338,11 +338,7 @@ def main():
         results = run_grid(args)
     except (*USER_ERRORS, CalibrationError) as e:
         sys.exit(f"error: {e}")
-    print(results["table_markdown"])
-    for v in results["verdicts"]:
-        outcome = "ties" if v["tie"] else "beats" if v["decode_better"] else "loses to"
-        print(f"{v['method']:>9} {v['pattern']:>4} {v['metric']:>18}: decode-aware {outcome} C4 "
-              f"({v['decode']:.4g} vs {v['c4']:.4g}){SPREAD_NOTE[v['beyond_spread']]}")
+    print_summary(results)
 
 
 def run_grid(args) -> dict:
@@ -430,15 +426,33 @@ def run_grid(args) -> dict:
 
 
 def write_results(args, runs, dense_metrics, evaluation: str) -> dict:
-    table = aggregate(runs)
-    results = {"checkpoint": str(args.checkpoint), "calibration_tokens": args.tokens, "evaluation": evaluation, "dense": dense_metrics, "runs": runs,
-               "table_markdown": markdown_table(table, dense_metrics), "verdicts": verdicts(table)}
-    write_json_atomic(args.out, results)
-    if args.table:
-        atomic_write(args.table, lambda tmp: Path(tmp).write_text(results["table_markdown"]))
-    if args.plot:
-        plot(table, dense_metrics, args.plot)
+    # prune_args records the rule the cells were pruned under (e.g. --count_first_token), so that
+    # evaluation.merge can refuse to pool cells of two rules.
+    return write_outputs({"checkpoint": str(args.checkpoint), "calibration_tokens": args.tokens, "evaluation": evaluation,
+                          "prune_args": list(args.prune_args), "dense": dense_metrics, "runs": runs},
+                         args.out, args.table, args.plot)
+
+
+def write_outputs(results: dict, out: Path, table_path: Path = None, plot_path: Path = None) -> dict:
+    """results + the table over its runs (markdown) and the verdicts, as JSON at `out` (atomically);
+    the markdown table and the plot too where asked."""
+    table = aggregate(results["runs"])
+    results = {**results, "table_markdown": markdown_table(table, results["dense"]), "verdicts": verdicts(table)}
+    write_json_atomic(out, results)
+    if table_path:
+        atomic_write(table_path, lambda tmp: Path(tmp).write_text(results["table_markdown"]))
+    if plot_path:
+        plot(table, results["dense"], plot_path)
     return results
+
+
+def print_summary(results: dict):
+    """The table, then one line per verdict (backend x pattern x metric)."""
+    print(results["table_markdown"])
+    for v in results["verdicts"]:
+        outcome = "ties" if v["tie"] else "beats" if v["decode_better"] else "loses to"
+        print(f"{v['method']:>9} {v['pattern']:>4} {v['metric']:>18}: decode-aware {outcome} C4 "
+              f"({v['decode']:.4g} vs {v['c4']:.4g}){SPREAD_NOTE[v['beyond_spread']]}")
 
 
 def cached_metrics(path: Path, measure) -> dict:

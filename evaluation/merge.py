@@ -1,0 +1,80 @@
+"""Merge results files of evaluation.compare into one table, plot and verdicts over all their cells.
+
+Long grids run a seed or a backend at a time (one results file each); this pools their cells, so
+the mean ± std over seeds and the verdicts (is decode-aware better than C4, beyond the seeds'
+spread?) come out as compare would have written them for the whole grid. Nothing is pruned or
+evaluated.
+
+    python -m evaluation.merge docs/results/budget_protocol/sequential_128k*.json \
+        --out runs/merged.json --table runs/merged.md --plot runs/merged.png
+
+The files must share the evaluation (held-out set, lengths), the calibration budget, the dense
+model's metrics and, where a file records them, the pruning flags. A cell (backend, pattern,
+calibration, seed) found in two files must hold the same metrics in both: two different cells under
+one name mean two pruning rules were mixed (e.g. decode positions only and decode + first position,
+whose C4 cells are the same checkpoint).
+"""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from evaluation.compare import print_summary, write_outputs
+
+SHARED = ("evaluation", "calibration_tokens", "dense")  # what every merged file must agree on
+
+
+def merge(results: list, names: list) -> dict:
+    """The results dicts (as compare writes them; names: where each came from, for the errors) as one
+    results dict without its table and verdicts (write_outputs adds them)."""
+    if not results:
+        raise ValueError("no results files to merge")
+    first = results[0]
+    for result, name in zip(results, names):
+        for key in SHARED:
+            if result.get(key) != first.get(key):
+                raise ValueError(f"{name} has {key} {result.get(key)!r}, {names[0]} has {first.get(key)!r}: "
+                                 "not the same evaluation")
+    recorded = [(result["prune_args"], name) for result, name in zip(results, names) if "prune_args" in result]
+    for prune_args, name in recorded:
+        if prune_args != recorded[0][0]:
+            raise ValueError(f"{name} was pruned with {prune_args}, {recorded[0][1]} with {recorded[0][0]}")
+    cells, sources = {}, {}
+    for result, name in zip(results, names):
+        for run in result["runs"]:
+            key = (run["method"], run["pattern"], run["calib"], run["seed"])
+            if key in cells and cells[key]["metrics"] != run["metrics"]:
+                raise ValueError(f"{name} and {sources[key]} hold different cells for {key[0]} {key[1]} {key[2]} "
+                                 f"seed {key[3]}: two pruning rules mixed?")
+            cells[key], sources[key] = run, sources.get(key, name)
+    return {"checkpoint": first.get("checkpoint"), **{key: first.get(key) for key in SHARED},
+            **({"prune_args": recorded[0][0]} if recorded else {}), "merged_from": [str(name) for name in names],
+            "runs": [cells[key] for key in sorted(cells)]}
+
+
+def main():
+    parser = argparse.ArgumentParser(description="Pool evaluation.compare results files into one table and plot.")
+    parser.add_argument("files", nargs="+", type=Path, help="results JSONs written by evaluation.compare")
+    parser.add_argument("--out", type=Path, required=True, help="merged results JSON")
+    parser.add_argument("--table", type=Path, help="markdown table")
+    parser.add_argument("--plot", type=Path, help="PNG")
+    args = parser.parse_args()
+    results = []
+    for path in args.files:
+        try:
+            results.append(json.loads(path.read_text()))
+        except (OSError, json.JSONDecodeError) as e:
+            sys.exit(f"error: cannot read results file {path}: {e}")
+        if not isinstance(results[-1], dict) or "runs" not in results[-1]:
+            sys.exit(f"error: {path} is not a results file of evaluation.compare (no 'runs')")
+    try:
+        merged = merge(results, args.files)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
+    except KeyError as e:
+        sys.exit(f"error: a run in these results files has no field {e}")
+    print_summary(write_outputs(merged, args.out, args.table, args.plot))
+
+
+if __name__ == "__main__":
+    main()
