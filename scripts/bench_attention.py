@@ -89,8 +89,7 @@ def bench(models, batches, slot_counts, targets, blocks, merges, v_with_k, stage
                         if not error < 1e-2:
                             raise AssertionError(f"{model} b{batch} {slots} slots, target {target}, block "
                                                  f"{block}, merge {merge}, V with K {v_early}, stages "
-                                                 f"{pipeline}: relative "
-                                                 f"error {error:.2e}")
+                                                 f"{pipeline}: relative error {error:.2e}")
                         us = kernels.time_in_cuda_graph(
                             [lambda c=c: decode_attention.decode_attention_with_cache_write(*c) for c in layers])
                     finally:

@@ -62,8 +62,8 @@ def kernels_module(revision: str = None):
 
 def compile_for_sm90a(kernel, types: dict, constants: dict, num_warps: int, divisible_by_16=()):
     """(SASS text, registers, spill bytes, shared-memory bytes a program) of a @triton.jit kernel
-    compiled for sm_90a; types: the
-    Triton type of each argument that is not an i32 ("*bf16", "fp32", ...), constants: the
+    compiled for sm_90a; types: the Triton type of each argument that is not an i32 ("*bf16",
+    "fp32", ...), constants: the
     constexpr arguments' values; divisible_by_16: the arguments the JIT would specialize as
     multiples of 16 at run time (aligned pointers, shapes like 4096), which lets the compiler
     vectorize loads as it does on the GPU."""
