@@ -63,10 +63,9 @@ def kernels_module(revision: str = None):
 def compile_for_sm90a(kernel, types: dict, constants: dict, num_warps: int, divisible_by_16=()):
     """(SASS text, registers, spill bytes, shared-memory bytes a program) of a @triton.jit kernel
     compiled for sm_90a; types: the Triton type of each argument that is not an i32 ("*bf16",
-    "fp32", ...), constants: the
-    constexpr arguments' values; divisible_by_16: the arguments the JIT would specialize as
-    multiples of 16 at run time (aligned pointers, shapes like 4096), which lets the compiler
-    vectorize loads as it does on the GPU."""
+    "fp32", ...), constants: the constexpr arguments' values; divisible_by_16: the arguments the
+    JIT would specialize as multiples of 16 at run time (aligned pointers, shapes like 4096), which
+    lets the compiler vectorize loads as it does on the GPU."""
     signature = {name: "constexpr" if name in constants else types.get(name, "i32") for name in kernel.arg_names}
     attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in divisible_by_16}
     compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs),
