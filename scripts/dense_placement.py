@@ -80,30 +80,32 @@ def main():
     sampling = dict(temperature=bench_args.temperature, top_k=bench_args.top_k, top_p=bench_args.top_p, seed=0,
                     compile=True)
     spacers, rows, first_tokens, arena = [], [], None, None
-    for placement in range(args.placements + 1 + args.arena):
-        if placement > args.placements:
-            arena = move_to_one_allocation(model)
-        elif placement:
-            # A spacer of a size no earlier one had, so the fresh copies start elsewhere.
-            spacers.append(torch.empty(placement * 331 * 2**20, dtype=torch.uint8, device="cuda"))
-            move_to_fresh_storage(model)
-            if args.recompile:
+    try:
+        for placement in range(args.placements + 1 + args.arena):
+            if placement > args.placements:
+                arena = move_to_one_allocation(model)
+            elif placement:
+                # A spacer of a size no earlier one had, so the fresh copies start elsewhere.
+                spacers.append(torch.empty(placement * 331 * 2**20, dtype=torch.uint8, device="cuda"))
+                move_to_fresh_storage(model)
+            if placement and args.recompile:
                 torch._dynamo.reset()  # recompile against the new tensors (Inductor may tune anew)
-        for repeat in range(2):  # the same placement twice: the spread inside one placement
-            timing = time_decode(model, 1, bench_args, label=f"placement{placement}")
-            row = dict(placement=placement, repeat=repeat, median_step_ms=round(timing["median_step_s"] * 1e3, 3),
-                       first_weight_address=hex(model.layers[0].feed_forward.w13.weight.data_ptr()),
-                       spacer_mib=placement * 331 if arena is None else None, one_allocation=arena is not None,
-                       recompiled=bool(placement and args.recompile))
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-        tokens = generate.generate(model, check_prompts, bench_args.new_tokens, **sampling).sequences
-        first_tokens = first_tokens or tokens
-        if any(not torch.equal(a, b) for a, b in zip(tokens, first_tokens)):
-            sys.exit(f"error: placement {placement} generated other tokens than placement 0: the CUDA graph "
-                     "did not follow the moved weights (run with --recompile)")
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "dense_placement.json").write_text(json.dumps(rows, indent=1))
+            for repeat in range(2):  # the same placement twice: the spread inside one placement
+                timing = time_decode(model, 1, bench_args, label=f"placement{placement}")
+                rows.append(dict(placement=placement, repeat=repeat,
+                                 median_step_ms=round(timing["median_step_s"] * 1e3, 3),
+                                 first_weight_address=hex(model.layers[0].feed_forward.w13.weight.data_ptr()),
+                                 spacer_mib=placement * 331 if arena is None else None,
+                                 one_allocation=arena is not None, recompiled=bool(placement and args.recompile)))
+                print(json.dumps(rows[-1]), flush=True)
+            tokens = generate.generate(model, check_prompts, bench_args.new_tokens, **sampling).sequences
+            first_tokens = first_tokens or tokens
+            if any(not torch.equal(a, b) for a, b in zip(tokens, first_tokens)):
+                sys.exit(f"error: placement {placement} generated other tokens than placement 0: the CUDA graph "
+                         "did not follow the moved weights (run with --recompile)")
+    finally:  # what was measured, even when a placement fails
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "dense_placement.json").write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":
