@@ -90,17 +90,20 @@ def _load_rotated(ptr, row_offsets, row_ok, cos, sin, HEAD_DIM: tl.constexpr):
 
 @triton.jit
 def _attend_block(q, k_ptr, v_ptr, offsets, keep, max_score, total, acc, scale, V_WITH_K: tl.constexpr,
-                  IEEE: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
+                  MAY_BE_EMPTY: tl.constexpr, IEEE: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
     """One block of slots folded into the online softmax: returns the new (max score, sum of exp,
-    unnormalised p·V). A block with nothing kept (only the pipelined loop sends one) changes
-    nothing: the max it uses is 0 where every score so far is -inf, so no -inf - -inf appears."""
+    unnormalised p·V). MAY_BE_EMPTY (the pipelined loop, which has no branch around empty blocks): a
+    block with nothing kept changes nothing, the max it uses being 0 where every score so far is
+    -inf, so no -inf - -inf appears; the plain loop skips such blocks and compiles without the guard."""
     k = tl.load(k_ptr + offsets, mask=keep[:, None], other=0.0)
     if V_WITH_K:
         v = tl.load(v_ptr + offsets, mask=keep[:, None], other=0.0)
     scores = _dot(q, tl.trans(k), IEEE, INTERPRETER_SAFE) * scale  # [GROUP, BLOCK] fp32
     scores = tl.where(keep[None, :], scores, float("-inf"))
     new_max = tl.maximum(max_score, tl.max(scores, axis=1))
-    finite_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+    finite_max = new_max
+    if MAY_BE_EMPTY:
+        finite_max = tl.where(new_max == float("-inf"), 0.0, new_max)
     rescale = tl.exp(max_score - finite_max)
     p = tl.exp(scores - finite_max[:, None])
     total = total * rescale + tl.sum(p, axis=1)
@@ -173,7 +176,7 @@ def _partial_attention_kernel(q_ptr, k_ptr, v_ptr, keep_ptr, acc_ptr, stats_ptr,
             keep = tl.load(keep_ptr + b * keep_stride_b + slots, mask=slots < stop, other=0) != 0
             offsets = kv_base + slots[:, None] * kv_stride_s + dims[None, :]
             max_score, total, acc = _attend_block(q, k_ptr, v_ptr, offsets, keep, max_score, total, acc, scale,
-                                                  V_WITH_K, IEEE, INTERPRETER_SAFE)
+                                                  V_WITH_K, True, IEEE, INTERPRETER_SAFE)
     else:
         for start in range(first, last, BLOCK):
             slots = start + tl.arange(0, BLOCK)
@@ -181,7 +184,7 @@ def _partial_attention_kernel(q_ptr, k_ptr, v_ptr, keep_ptr, acc_ptr, stats_ptr,
             if tl.max(keep.to(tl.int32), axis=0) > 0:  # skip blocks with nothing kept (past the new token)
                 offsets = kv_base + slots[:, None] * kv_stride_s + dims[None, :]
                 max_score, total, acc = _attend_block(q, k_ptr, v_ptr, offsets, keep, max_score, total, acc, scale,
-                                                      V_WITH_K, IEEE, INTERPRETER_SAFE)
+                                                      V_WITH_K, False, IEEE, INTERPRETER_SAFE)
     n_splits = tl.num_programs(1)
     heads = (kv_head * GROUP_SIZE + rows) + b * (n_kv_heads * GROUP_SIZE)  # flat (batch, query head)
     tl.store(acc_ptr + (heads * n_splits + split)[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_ok[:, None])

@@ -39,6 +39,8 @@ shapes at 16 rows ran 0.62-0.89x of cuBLAS with it against 0.45-0.50x with the g
 With PREFETCH_2OF4_PAIRS the 2:4 value pairs are loaded with the mask words, a step before their
 expansion, so that no trip waits on its own loads (statically 126 registers against 86). Timed
 on the H200 it gained nothing (121 -> 123 µs a layer at 8 rows, docs/KERNEL_NOTES.md session 17): off.
+Nsight Compute without it (session 18) still has the expansion's PRMT waiting on the value loads
+(9.5-24 % of stall samples); why loading them a step earlier did not help is open.
 
 Where the grid would be too small to fill the GPU, K is split over programs; their fp32
 partial sums meet in the workspace that `kernels.spmv` also uses (`_store_or_reduce`).
@@ -64,7 +66,8 @@ EXPAND_2OF4_BY_NIBBLE = True
 # instead of in the step that expands them. The SASS of the loop (kernel_sass.compile_spmm) had each
 # pair's LDG.128 42-99 instructions before its first PRMT, in the same trip: every trip waited on
 # one DRAM round trip. Off: timed in session 17 the SpMM at 8 rows went 121 -> 123 µs a layer with it
-# (predicted 85-100): the loop is not waiting on those loads (docs/KERNEL_NOTES.md, session 17).
+# (predicted 85-100; docs/KERNEL_NOTES.md, session 17), though session 18's profile without it still
+# shows the expansion waiting on those loads (see the module docstring).
 PREFETCH_2OF4_PAIRS = False
 
 
