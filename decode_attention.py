@@ -58,9 +58,12 @@ LOAD_V_WITH_K = False
 # 37-39 % of samples, two warps a scheduler, DRAM 31 % busy), not on its barriers (8-9 %). The
 # pipelined loop has no branch around empty blocks (the pipeliner needs a straight loop): it stops
 # at the new token's slot instead, and a block with nothing kept leaves the running max at -inf
-# without a NaN. 1: the plain loop. Off until timed on the GPU (KERNEL_NOTES session 18 says what
-# it should move).
-PIPELINE_STAGES = 1
+# without a NaN. 1: the plain loop. Timed 2026-12-04 (BENCHMARKS session 19): 2 stages took the
+# Llama-3.1-8B decode step at batch 8 from 5.073 to 4.979 ms (the attention 490 -> 430 µs a step)
+# and batch 4's attention 356 -> 328 µs. A split of one block has nothing to overlap: there the
+# pipelined loop cost 0.3-0.4 µs a call with 64-slot blocks (batch 1, 768 slots, +10 µs a step),
+# so such splits keep the plain loop (`block_loop_stages`).
+PIPELINE_STAGES = 2
 
 
 @triton.jit
@@ -267,6 +270,12 @@ def merge_tiling(group_size: int, splits: int, merge_in_last_split: bool):
     return heads, split_tile, max(1, min(split_tile, 32 // heads))
 
 
+def block_loop_stages(slots_per_split: int) -> int:
+    """The block loop's pipeline stages: PIPELINE_STAGES where a split walks two blocks or more,
+    the plain loop (1) where it walks one (nothing to overlap)."""
+    return PIPELINE_STAGES if slots_per_split > BLOCK_SLOTS else 1
+
+
 def supports(head_dim: int) -> bool:
     """tl.dot needs a power-of-two head_dim of at least 16 (stories260K's is 8: it uses SDPA)."""
     return head_dim >= 16 and head_dim & (head_dim - 1) == 0
@@ -296,6 +305,7 @@ def _attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, keep: Tensor, new_k=Non
     splits = max(1, min(triton.cdiv(PROGRAMS_TARGET, batch * n_kv_heads), triton.cdiv(n_slots, BLOCK_SLOTS)))
     slots_per_split = triton.cdiv(triton.cdiv(n_slots, splits), BLOCK_SLOTS) * BLOCK_SLOTS
     splits = triton.cdiv(n_slots, slots_per_split)
+    stages = block_loop_stages(slots_per_split)
     acc = torch.empty(batch * n_heads, splits, head_dim, dtype=torch.float32, device=q.device)
     stats = torch.empty(batch * n_heads, splits, 2, dtype=torch.float32, device=q.device)
     out = torch.empty(batch, n_heads, head_dim, dtype=q.dtype, device=q.device)
@@ -309,7 +319,7 @@ def _attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, keep: Tensor, new_k=Non
         new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1), cos.stride(0),
         GROUP_SIZE=group_size, GROUP=max(16, triton.next_power_of_2(group_size)), HEAD_DIM=head_dim,
         BLOCK=BLOCK_SLOTS, ROPE_AND_WRITE=rope_and_write, MERGE=merge, MERGE_HEADS=merge_heads, SPLITS=split_tile,
-        MERGE_CHUNK=merge_chunk, V_WITH_K=LOAD_V_WITH_K, STAGES=PIPELINE_STAGES, IEEE=q.dtype == torch.float32,
+        MERGE_CHUNK=merge_chunk, V_WITH_K=LOAD_V_WITH_K, STAGES=stages, IEEE=q.dtype == torch.float32,
         INTERPRETER_SAFE=INTERPRETING)
     if not merge:
         _merge_splits_kernel[(batch * n_heads,)](acc, stats, out, splits, SPLITS=split_tile, CHUNK=merge_chunk,

@@ -21,13 +21,24 @@ dense_run() {  # dense_run LABEL CACHE_DIR
 import json, pathlib, re, sys
 # One line per tuned kernel: its cache key (a hash of the kernel's source, the same in every
 # process) and the config picked, without the fields that differ even for the same pick.
-# The kernel's name (as the profile shows it) is the def in the source file next to its config.
+# The kernel's name (as the profile shows it) is the def in the kernel's source file. The config
+# file is not named after that file but after a hash of its name and torch's own key (Inductor's
+# AutotuneCache; 2026-12-04 the "same stem" guess named none), so ask Inductor for each source
+# file's config path; "?" if this torch lays its cache out otherwise.
+from torch._inductor.runtime.autotune_cache import AutotuneCache
+name_of_config = {}
+for source in pathlib.Path(sys.argv[1]).rglob("*.py"):
+    names = re.findall(r"^def (triton_\w+)\(", source.read_text(errors="replace"), re.M)
+    try:
+        key = AutotuneCache._make_local_cache_key(str(source.parent), AutotuneCache._prepare_key(str(source)))
+    except Exception:  # a private API: a changed signature costs the names, not the run
+        continue
+    if names:
+        name_of_config[key] = names[0]
 for path in sorted(pathlib.Path(sys.argv[1]).rglob("*.best_config")):
     picked = {k: v for k, v in json.loads(path.read_text()).items()
               if k not in ("time_taken_ms", "triton_cache_hash", "configs_hash")}
-    source = path.with_suffix(".py")
-    names = re.findall(r"^def (triton_\w+)\(", source.read_text(), re.M) if source.exists() else []
-    print(path.name, names[0] if names else "?", json.dumps(picked, sort_keys=True))
+    print(path.name, name_of_config.get(str(path), "?"), json.dumps(picked, sort_keys=True))
 PY
   echo "run $1: $(grep -ho 'median_step_ms[^,]*' "$OUT/run$1"/*.json 2>/dev/null) $(wc -l < "$OUT/best_configs_$1.txt") tuned kernels"
 }

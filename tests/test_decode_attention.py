@@ -49,18 +49,27 @@ def assert_arrivals_zeroed():
 @interpreted
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("dtype,bound", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
-# The plain loop at each merge / V-with-K setting, and the software-pipelined one (PIPELINE_STAGES 2).
+# The plain loop at each merge / V-with-K setting, and the software-pipelined one (PIPELINE_STAGES 2,
+# one split of every slot: a split of one block would take the plain loop).
 @pytest.mark.parametrize("merge_in_last_split,v_with_k,stages",
                          [(False, False, 1), (True, False, 1), (True, True, 1), (True, False, 2)])
 def test_decode_attention_matches_float64(case, dtype, bound, merge_in_last_split, v_with_k, stages, monkeypatch):
     monkeypatch.setattr(decode_attention, "MERGE_IN_LAST_SPLIT", merge_in_last_split)
     monkeypatch.setattr(decode_attention, "LOAD_V_WITH_K", v_with_k)
     monkeypatch.setattr(decode_attention, "PIPELINE_STAGES", stages)
+    if stages > 1:
+        monkeypatch.setattr(decode_attention, "PROGRAMS_TARGET", 1)
     q, k, v, keep = random_case(*case, dtype=dtype, seed=case_seed(case))
     out = decode_attention.decode_attention(q, k, v, keep)
     assert out.shape == q.shape and out.dtype == dtype
     assert relative_error(out, reference_attention(q, k, v, keep)) < bound
     assert_arrivals_zeroed()
+
+
+def test_block_loop_stages_pipelines_only_splits_of_several_blocks(monkeypatch):
+    monkeypatch.setattr(decode_attention, "PIPELINE_STAGES", 2)
+    monkeypatch.setattr(decode_attention, "BLOCK_SLOTS", 64)
+    assert [decode_attention.block_loop_stages(slots) for slots in (64, 128, 4096)] == [1, 2, 2]
 
 
 @interpreted
