@@ -92,6 +92,14 @@ def _load_rotated(ptr, row_offsets, row_ok, cos, sin, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
+def _kept_slots(keep_row_ptr, slots, end, first_kept, last_kept, WINDOW: tl.constexpr):
+    """Which of these slots are attended: the window first_kept..last_kept, or the keep mask's row."""
+    if WINDOW:
+        return (slots >= first_kept) & (slots <= last_kept) & (slots < end)
+    return tl.load(keep_row_ptr + slots, mask=slots < end, other=0) != 0
+
+
+@triton.jit
 def _attend_block(q, k_ptr, v_ptr, offsets, keep, max_score, total, acc, scale, V_WITH_K: tl.constexpr,
                   MAY_BE_EMPTY: tl.constexpr, IEEE: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
     """One block of slots folded into the online softmax: returns the new (max score, sum of exp,
@@ -118,10 +126,10 @@ def _attend_block(q, k_ptr, v_ptr, offsets, keep, max_score, total, acc, scale, 
 
 @triton.jit
 def _partial_attention_kernel(q_ptr, k_ptr, v_ptr, keep_ptr, acc_ptr, stats_ptr, out_ptr, arrivals_ptr,
-                              new_k_ptr, new_v_ptr, cos_ptr, sin_ptr, write_slot_ptr,
+                              new_k_ptr, new_v_ptr, cos_ptr, sin_ptr, left_pad_ptr, write_slot_ptr,
                               n_kv_heads, n_slots, slots_per_split, scale,
                               q_stride_b, q_stride_h, kv_stride_b, kv_stride_h, kv_stride_s, keep_stride_b,
-                              new_k_stride_b, new_k_stride_h, new_v_stride_b, new_v_stride_h, rope_stride_b,
+                              new_k_stride_b, new_k_stride_h, new_v_stride_b, new_v_stride_h, rope_stride_s,
                               GROUP_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                               BLOCK: tl.constexpr, ROPE_AND_WRITE: tl.constexpr, MERGE: tl.constexpr,
                               MERGE_HEADS: tl.constexpr, SPLITS: tl.constexpr, MERGE_CHUNK: tl.constexpr,
@@ -130,9 +138,12 @@ def _partial_attention_kernel(q_ptr, k_ptr, v_ptr, keep_ptr, acc_ptr, stats_ptr,
     """Partial attention of the GROUP_SIZE query heads of one KV head over one split of the slots.
 
     Writes acc (unnormalised sum of p·V, fp32) and stats (max score, sum of exp) per query head and
-    split; a split with no kept slot leaves max = -inf, sum = 0, acc = 0. With ROPE_AND_WRITE, q
-    and the new k (new_k_ptr, new_v_ptr: [B, H_kv, D]) arrive unrotated, are rotated with this
-    row's cos/sin, and the split that holds slot *write_slot_ptr stores the new k and v there.
+    split; a split with no kept slot leaves max = -inf, sum = 0, acc = 0. The kept slots are keep_ptr's
+    [B, S] mask, or with ROPE_AND_WRITE (a decode step) the row's window: from its left padding
+    left_pad_ptr[b] to the new token's slot *write_slot_ptr. With ROPE_AND_WRITE, q and the new k
+    (new_k_ptr, new_v_ptr: [B, H_kv, D]) arrive unrotated and are rotated with the cos/sin tables'
+    row at the token's position (its slot less the padding), and the split that holds slot
+    *write_slot_ptr stores the new k and v there.
     With MERGE, the last of the row's and KV head's programs to finish merges the splits into out
     (arrivals_ptr: one zeroed int32 per row and KV head, left zeroed)."""
     batch_head = tl.program_id(0)
@@ -145,16 +156,24 @@ def _partial_attention_kernel(q_ptr, k_ptr, v_ptr, keep_ptr, acc_ptr, stats_ptr,
     kv_base = b * kv_stride_b + kv_head * kv_stride_h
     first = split * slots_per_split
     last = tl.minimum(first + slots_per_split, n_slots)
+    # Kept slots: keep_ptr's row, or in a decode step the window first_kept..last_kept, computed
+    # here rather than passed in: Inductor copied a per-step mask and cos/sin rows into fresh buffers
+    # for each layer's call (16-100 small launches a Llama-3.1-8B step, BENCHMARKS session 19).
+    first_kept = 0
+    last_kept = n_slots - 1
     if ROPE_AND_WRITE:
-        cos = tl.load(cos_ptr + b * rope_stride_b + dims)
-        sin = tl.load(sin_ptr + b * rope_stride_b + dims)
+        write_slot = tl.load(write_slot_ptr)
+        first_kept = tl.load(left_pad_ptr + b)
+        last_kept = write_slot
+        position = tl.maximum(write_slot - first_kept, 0)  # positions count from the row's first real token
+        cos = tl.load(cos_ptr + position * rope_stride_s + dims)
+        sin = tl.load(sin_ptr + position * rope_stride_s + dims)
         q = _load_rotated(q_ptr + b * q_stride_b, (kv_head * GROUP_SIZE + rows) * q_stride_h, row_ok, cos, sin,
                           HEAD_DIM)
         one_row = tl.arange(0, 1)
         new_k = _load_rotated(new_k_ptr + b * new_k_stride_b + kv_head * new_k_stride_h, one_row, one_row == 0, cos,
                               sin, HEAD_DIM)  # [1, D]
         new_v = tl.load(new_v_ptr + b * new_v_stride_b + kv_head * new_v_stride_h + one_row[:, None] + dims[None, :])
-        write_slot = tl.load(write_slot_ptr)
         if (first <= write_slot) & (write_slot < last):  # one program per (row, KV head) writes
             slot_offsets = kv_base + write_slot * kv_stride_s + dims[None, :]
             tl.store(k_ptr + slot_offsets, new_k.to(k_ptr.dtype.element_ty))
@@ -171,19 +190,17 @@ def _partial_attention_kernel(q_ptr, k_ptr, v_ptr, keep_ptr, acc_ptr, stats_ptr,
     total = tl.zeros([GROUP], tl.float32)
     acc = tl.zeros([GROUP, HEAD_DIM], tl.float32)
     if STAGES > 1:
-        stop = last
-        if ROPE_AND_WRITE:  # no slot after the new token's is kept in a decode step
-            stop = tl.minimum(last, write_slot + 1)
+        stop = tl.minimum(last, last_kept + 1)  # in a decode step no slot after the new token's is kept
         for start in tl.range(first, stop, BLOCK, num_stages=STAGES):
             slots = start + tl.arange(0, BLOCK)
-            keep = tl.load(keep_ptr + b * keep_stride_b + slots, mask=slots < stop, other=0) != 0
+            keep = _kept_slots(keep_ptr + b * keep_stride_b, slots, stop, first_kept, last_kept, ROPE_AND_WRITE)
             offsets = kv_base + slots[:, None] * kv_stride_s + dims[None, :]
             max_score, total, acc = _attend_block(q, k_ptr, v_ptr, offsets, keep, max_score, total, acc, scale,
                                                   V_WITH_K, True, IEEE, INTERPRETER_SAFE)
     else:
         for start in range(first, last, BLOCK):
             slots = start + tl.arange(0, BLOCK)
-            keep = tl.load(keep_ptr + b * keep_stride_b + slots, mask=slots < last, other=0) != 0
+            keep = _kept_slots(keep_ptr + b * keep_stride_b, slots, last, first_kept, last_kept, ROPE_AND_WRITE)
             if tl.max(keep.to(tl.int32), axis=0) > 0:  # skip blocks with nothing kept (past the new token)
                 offsets = kv_base + slots[:, None] * kv_stride_s + dims[None, :]
                 max_score, total, acc = _attend_block(q, k_ptr, v_ptr, offsets, keep, max_score, total, acc, scale,
@@ -281,10 +298,11 @@ def supports(head_dim: int) -> bool:
     return head_dim >= 16 and head_dim & (head_dim - 1) == 0
 
 
-def _attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, keep: Tensor, new_k=None, new_v=None, cos=None, sin=None,
-            write_slot=None) -> Tensor:
-    """The kernels for q [B, H, D] over the first B rows of the caches; the new_k .. write_slot
-    arguments (all or none) turn on the partial kernel's RoPE and cache write."""
+def _attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, keep=None, new_k=None, new_v=None, rope_cos=None,
+            rope_sin=None, left_pad=None, write_slot=None) -> Tensor:
+    """The kernels for q [B, H, D] over the first B rows of the caches, attending keep's slots; or,
+    given new_k .. write_slot instead (all of them), a decode step: RoPE and the cache write in the
+    partial kernel, and each row's window of slots (decode_attention_with_cache_write)."""
     batch, n_heads, head_dim = q.shape
     _, n_kv_heads, n_slots, _ = k_cache.shape
     group_size = n_heads // n_kv_heads
@@ -298,10 +316,15 @@ def _attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, keep: Tensor, new_k=Non
                 or new_v.stride(2) != 1):
             raise ValueError(f"decode_attention: new k {tuple(new_k.shape)} / v {tuple(new_v.shape)} do not match "
                              f"{batch} rows of {n_kv_heads} KV heads of {head_dim}")
-        if cos.shape != (batch, head_dim) or cos.stride() != sin.stride() or cos.stride(1) != 1:
-            raise ValueError(f"decode_attention: cos {tuple(cos.shape)} does not match {batch} rows of {head_dim}")
+        if (rope_cos.dim() != 2 or rope_cos.shape[0] < n_slots or rope_cos.shape[1] != head_dim
+                or rope_cos.shape != rope_sin.shape or rope_cos.stride() != rope_sin.stride() or rope_cos.stride(1) != 1):
+            raise ValueError(f"decode_attention: RoPE tables {tuple(rope_cos.shape)} / {tuple(rope_sin.shape)} do not "
+                             f"cover {n_slots} positions of {head_dim}")
+        if left_pad.dim() != 1 or left_pad.numel() < batch or left_pad.is_floating_point():
+            raise ValueError(f"decode_attention: left_pad {tuple(left_pad.shape)} does not hold {batch} rows' padding")
+        keep = q  # unused pointer: the window replaces the mask
     else:
-        new_k = new_v = cos = sin = write_slot = q  # unused pointers: the kernel compiles them out
+        new_k = new_v = rope_cos = rope_sin = left_pad = write_slot = q  # unused pointers: compiled out
     splits = max(1, min(triton.cdiv(PROGRAMS_TARGET, batch * n_kv_heads), triton.cdiv(n_slots, BLOCK_SLOTS)))
     slots_per_split = triton.cdiv(triton.cdiv(n_slots, splits), BLOCK_SLOTS) * BLOCK_SLOTS
     splits = triton.cdiv(n_slots, slots_per_split)
@@ -313,10 +336,10 @@ def _attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, keep: Tensor, new_k=Non
     arrivals = reserve_arrival_counters(q.device, batch * n_kv_heads) if merge else acc
     merge_heads, split_tile, merge_chunk = merge_tiling(group_size, splits, merge)
     _partial_attention_kernel[(batch * n_kv_heads, splits)](
-        q, k_cache, v_cache, keep, acc, stats, out, arrivals, new_k, new_v, cos, sin, write_slot,
+        q, k_cache, v_cache, keep, acc, stats, out, arrivals, new_k, new_v, rope_cos, rope_sin, left_pad, write_slot,
         n_kv_heads, n_slots, slots_per_split, head_dim ** -0.5,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), keep.stride(0),
-        new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1), cos.stride(0),
+        new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1), rope_cos.stride(0),
         GROUP_SIZE=group_size, GROUP=max(16, triton.next_power_of_2(group_size)), HEAD_DIM=head_dim,
         BLOCK=BLOCK_SLOTS, ROPE_AND_WRITE=rope_and_write, MERGE=merge, MERGE_HEADS=merge_heads, SPLITS=split_tile,
         MERGE_CHUNK=merge_chunk, V_WITH_K=LOAD_V_WITH_K, STAGES=stages, IEEE=q.dtype == torch.float32,
@@ -343,19 +366,26 @@ def _(q: Tensor, k_cache: Tensor, v_cache: Tensor, keep: Tensor) -> Tensor:
 
 
 @torch.library.custom_op("sparse_decoding::decode_attention_with_cache_write", mutates_args=("k_cache", "v_cache"))
-def decode_attention_with_cache_write(q: Tensor, new_k: Tensor, new_v: Tensor, cos: Tensor, sin: Tensor,
-                                      write_slot: Tensor, k_cache: Tensor, v_cache: Tensor, keep: Tensor) -> Tensor:
+def decode_attention_with_cache_write(q: Tensor, new_k: Tensor, new_v: Tensor, rope_cos: Tensor, rope_sin: Tensor,
+                                      left_pad: Tensor, write_slot: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
     """decode_attention for q and the new token's k, v before RoPE and before the cache write.
 
     q [B, H, D] and new_k, new_v [B, H_kv, D] (unit stride along D; views into the qkv output do);
-    cos, sin [B, D] (model.rope_cos/rope_sin rows): each row's RoPE angles (rotate-half layout, model.precompute_rope);
-    write_slot: a one-element integer tensor, the cache slot of the new token (model: input_pos).
+    rope_cos, rope_sin [>= S, D]: the RoPE tables by position (model.rope_cos/rope_sin, rotate-half
+    layout, model.precompute_rope); left_pad [>= B] integers: row b's prompt starts at slot
+    left_pad[b] (model.left_pad); write_slot: a one-element integer tensor, the cache slot of the new
+    token (model: input_pos). Row b's token sits at position write_slot - left_pad[b] and attends
+    slots left_pad[b] .. write_slot, as the model's causal and padding mask does.
     k_cache, v_cache [B_max >= B, H_kv, S, D] whole buffers: row b < B gets the rotated new k and
     the new v at write_slot; nothing else in them changes. Returns the attention as decode_attention.
+
+    The kernel indexes the model's whole buffers itself: per-step rows (cos/sin at the position,
+    the mask's row) given to a custom op get copied into a fresh buffer for each layer's call by
+    Inductor (BENCHMARKS session 19).
     """
-    return _attend(q, k_cache, v_cache, keep, new_k, new_v, cos, sin, write_slot)
+    return _attend(q, k_cache, v_cache, None, new_k, new_v, rope_cos, rope_sin, left_pad, write_slot)
 
 
 @decode_attention_with_cache_write.register_fake
-def _(q, new_k, new_v, cos, sin, write_slot, k_cache, v_cache, keep) -> Tensor:
+def _(q, new_k, new_v, rope_cos, rope_sin, left_pad, write_slot, k_cache, v_cache) -> Tensor:
     return torch.empty_like(q)

@@ -184,8 +184,11 @@ class Transformer(nn.Module):
         slots = torch.arange(self.max_seq_length, device=idx.device)
         mask = self.causal_mask[input_pos][None, None] & (slots[None, :] >= pad)[:, None, None, :]  # [B,1,T,S]
         x = self.tok_embeddings(idx)
+        # The fused decode kernel indexes the whole tables and padding itself (decode_attention.py
+        # says why); in a step that uses it, cos, sin and mask go unused and compile away.
+        decode_buffers = (self.rope_cos, self.rope_sin, self.left_pad)
         for layer in self.layers:
-            x = layer(x, input_pos, cos, sin, mask)
+            x = layer(x, input_pos, cos, sin, mask, decode_buffers)
         return self.output(self.norm(x))
 
 
@@ -197,8 +200,9 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(config.dim, config.norm_eps)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
 
-    def forward(self, x, input_pos, cos, sin, mask):
-        h = self.attention(x, input_pos, cos, sin, mask, norm=self.attention_norm, residual=x)
+    def forward(self, x, input_pos, cos, sin, mask, decode_buffers=None):
+        h = self.attention(x, input_pos, cos, sin, mask, norm=self.attention_norm, residual=x,
+                           decode_buffers=decode_buffers)
         return self.feed_forward(h, norm=self.ffn_norm, residual=h)
 
 
@@ -216,8 +220,9 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         self.kv_cache: Optional[KVCache] = None
 
-    def forward(self, x, input_pos, cos, sin, mask, norm=None, residual=None):
-        """residual + attention(norm(x)); norm and residual are optional."""
+    def forward(self, x, input_pos, cos, sin, mask, norm=None, residual=None, decode_buffers=None):
+        """residual + attention(norm(x)); norm and residual are optional. decode_buffers: the model's
+        (rope_cos, rope_sin, left_pad), for the decode step's fused kernel (None: not used)."""
         B, T, _ = x.shape
         kv_size = self.n_local_heads * self.head_dim
         q, k, v = project(self.wqkv, x, norm=norm).split([self.n_head * self.head_dim, kv_size, kv_size], dim=-1)
@@ -228,10 +233,11 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         # A decode step on the GPU goes to flash-decoding kernels (decode_attention.py says why not SDPA).
         decode_kernels = T == 1 and q.is_cuda and self.kv_cache is not None and decode_attention.supports(self.head_dim)
-        if decode_kernels and decode_attention.FUSE_ROPE_AND_CACHE_WRITE:  # RoPE and the cache write inside
+        if decode_kernels and decode_attention.FUSE_ROPE_AND_CACHE_WRITE and decode_buffers is not None:
+            # RoPE, the cache write and the causal/padding window inside the kernel
             cache = self.kv_cache
             y = decode_attention.decode_attention_with_cache_write(
-                q[:, 0], k[:, 0], v[:, 0], cos[:, 0], sin[:, 0], input_pos, cache.k_cache, cache.v_cache, mask[:, 0, 0])
+                q[:, 0], k[:, 0], v[:, 0], *decode_buffers, input_pos, cache.k_cache, cache.v_cache)
             y = y.unsqueeze(2)
         else:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)

@@ -32,27 +32,32 @@ from sparse import kernels  # noqa: E402
 def attention_case(batch: int, n_heads: int, n_kv_heads: int, head_dim: int, slots: int, device="cuda",
                    dtype=torch.bfloat16, seed: int = 0, rope_base: float = 500000.0) -> tuple:
     """One layer's decode-step operands, in decode_attention_with_cache_write's order, with every
-    slot attended and the new token written at the last one."""
+    slot attended (no left padding) and the new token written at the last one."""
     generator = torch.Generator(device=device).manual_seed(seed)
     randn = lambda *shape: torch.randn(*shape, generator=generator, device=device, dtype=dtype)  # noqa: E731
-    cos, sin = (table[slots - 1].to(device).expand(batch, head_dim).contiguous()
-                for table in precompute_rope(slots, head_dim, rope_base))
+    cos, sin = (table.to(device) for table in precompute_rope(slots, head_dim, rope_base))
+    left_pad = torch.zeros(batch, dtype=torch.long, device=device)
     write_slot = torch.tensor([slots - 1], device=device)
-    keep = torch.ones(batch, slots, dtype=torch.bool, device=device)
     return (randn(batch, n_heads, head_dim), randn(batch, n_kv_heads, head_dim), randn(batch, n_kv_heads, head_dim),
-            cos, sin, write_slot, randn(batch, n_kv_heads, slots, head_dim), randn(batch, n_kv_heads, slots, head_dim),
-            keep)
+            cos, sin, left_pad, write_slot, randn(batch, n_kv_heads, slots, head_dim),
+            randn(batch, n_kv_heads, slots, head_dim))
+
+
+def new_token_rope(case: tuple) -> tuple:
+    """The cos and sin rows [B, D] the new token is rotated with (position: the last slot)."""
+    q, _, _, cos, sin, _, write_slot, _, _ = case
+    return (table[int(write_slot)].expand(q.shape[0], -1) for table in (cos, sin))
 
 
 def reference_attention(case: tuple) -> torch.Tensor:
     """float32 softmax attention of the RoPE-rotated q over the caches as the kernel left them."""
-    q, _, _, cos, sin, _, k_cache, v_cache, keep = case
+    q, _, _, _, _, _, _, k_cache, v_cache = case
     n_heads, n_kv_heads = q.shape[1], k_cache.shape[1]
+    cos, sin = new_token_rope(case)
     q = apply_rope(q[:, None], cos[:, None], sin[:, None])[:, 0].float()
     k = k_cache.float().repeat_interleave(n_heads // n_kv_heads, dim=1)
     v = v_cache.float().repeat_interleave(n_heads // n_kv_heads, dim=1)
     scores = torch.einsum("bhd,bhsd->bhs", q, k) * q.shape[-1] ** -0.5
-    scores = scores.masked_fill(~keep[:, None], float("-inf"))
     return torch.einsum("bhs,bhsd->bhd", scores.softmax(dim=-1), v)
 
 

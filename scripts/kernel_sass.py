@@ -89,8 +89,8 @@ def compile_partial_attention(rope_and_write: bool, group_size: int = 4, head_di
     sys.path.insert(0, str(ROOT))
     import decode_attention
     types = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", keep_ptr="*i1", acc_ptr="*fp32", stats_ptr="*fp32",
-                 new_k_ptr="*bf16", new_v_ptr="*bf16", cos_ptr="*fp32", sin_ptr="*fp32", write_slot_ptr="*i64",
-                 out_ptr="*bf16", arrivals_ptr="*i32", scale="fp32")
+                 new_k_ptr="*bf16", new_v_ptr="*bf16", cos_ptr="*fp32", sin_ptr="*fp32", left_pad_ptr="*i64",
+                 write_slot_ptr="*i64", out_ptr="*bf16", arrivals_ptr="*i32", scale="fp32")
     constants = dict(GROUP_SIZE=group_size, GROUP=max(16, triton.next_power_of_2(group_size)), HEAD_DIM=head_dim,
                      BLOCK=decode_attention.BLOCK_SLOTS, ROPE_AND_WRITE=rope_and_write, MERGE=merge,
                      V_WITH_K=v_with_k, STAGES=stages, IEEE=False, INTERPRETER_SAFE=False)

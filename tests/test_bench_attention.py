@@ -30,8 +30,9 @@ def test_every_benchmarked_setting_matches_the_reference(target, block, merge, v
         bench_attention.with_settings(*previous)
     assert tuple(getattr(decode_attention, name) for name in bench_attention.SETTINGS) == previous
     assert relative_error(out, bench_attention.reference_attention(case).double()) < 1e-5
-    new_k = bench_attention.apply_rope(case[1][:, None], case[3][:, None], case[4][:, None])[:, 0]
-    assert torch.equal(case[6][:, :, -1], new_k) and torch.equal(case[7][:, :, -1], case[2])  # written at the last slot
+    cos, sin = bench_attention.new_token_rope(case)
+    new_k = bench_attention.apply_rope(case[1][:, None], cos[:, None], sin[:, None])[:, 0]
+    assert torch.equal(case[7][:, :, -1], new_k) and torch.equal(case[8][:, :, -1], case[2])  # written at the last slot
 
 
 def test_the_table_shows_the_committed_setting_and_the_fastest():

@@ -96,9 +96,10 @@ def rotated(x, cos, sin):
 
 def rope_and_write_case(batch, cache_rows, n_heads, n_kv_heads, n_slots, head_dim, position, pads, dtype,
                         device="cpu", k_apart=False):
-    """Unrotated q and new k, v for `batch` rows, views into one qkv row as Attention.forward makes
-    them (k_apart: k a tensor of its own, as after Qwen3's k_norm); caches of `cache_rows` >= batch
-    rows; each row's RoPE angles at its own position (position - pad, as model.forward gives them)."""
+    """decode_attention_with_cache_write's arguments: unrotated q and new k, v for `batch` rows, views
+    into one qkv row as Attention.forward makes them (k_apart: k a tensor of its own, as after
+    Qwen3's k_norm); the RoPE tables; the left padding of `cache_rows` >= batch rows, as the model's
+    buffer holds it; the new token's slot; caches of `cache_rows` rows."""
     from model import precompute_rope
     g = torch.Generator().manual_seed(position + 17 * batch)
     qkv = torch.randn(batch, (n_heads + 2 * n_kv_heads) * head_dim, generator=g).to(device=device, dtype=dtype)
@@ -109,17 +110,26 @@ def rope_and_write_case(batch, cache_rows, n_heads, n_kv_heads, n_slots, head_di
     caches = [torch.randn(cache_rows, n_kv_heads, n_slots, head_dim, generator=g).to(device=device, dtype=dtype)
               for _ in range(2)]
     cos, sin = precompute_rope(n_slots, head_dim, 500000.0)
-    rows_position = position - torch.tensor(pads)
-    slots = torch.arange(n_slots)
-    keep = (slots[None, :] <= position) & (slots[None, :] >= torch.tensor(pads)[:, None])
-    return (*new, cos[rows_position].to(device), sin[rows_position].to(device),
-            torch.tensor([position], device=device), *caches, keep.to(device))
+    left_pad = torch.tensor(pads + [0] * (cache_rows - batch), device=device)
+    return (*new, cos.to(device), sin.to(device), left_pad, torch.tensor([position], device=device), *caches)
+
+
+def rows_rope_and_keep(args, batch):
+    """What model.forward gives SDPA for the same step: each row's cos/sin at its own position
+    (slot - pad) and the causal mask's row with the padding masked."""
+    _, _, _, cos, sin, left_pad, write_slot, k_cache, _ = args
+    pad = left_pad[:batch].cpu()
+    position = int(write_slot)
+    rows = (position - pad).clamp(min=0)
+    slots = torch.arange(k_cache.shape[2])
+    keep = (slots[None, :] <= position) & (slots[None, :] >= pad[:, None])
+    return cos[rows.to(cos.device)], sin[rows.to(cos.device)], keep.to(k_cache.device)
 
 
 # (batch, cache rows, heads, kv heads, slots, head_dim, position, left pads): a batch smaller than
-# the cache, the new slot in a later split with padding in front; the first slot; GQA of 3 (with k
-# a tensor of its own, strided unlike v).
-ROPE_CASES = [(2, 3, 8, 2, 160, 32, 140, [0, 60]), (1, 1, 4, 4, 64, 16, 0, [0]), (2, 2, 9, 3, 50, 16, 33, [0, 2])]
+# the cache, the new slot in a later split with padding in front (a whole 64-slot block of it in
+# row 1); the first slot; GQA of 3 (with k a tensor of its own, strided unlike v).
+ROPE_CASES = [(2, 3, 8, 2, 160, 32, 140, [0, 70]), (1, 1, 4, 4, 64, 16, 0, [0]), (2, 2, 9, 3, 50, 16, 33, [0, 2])]
 
 
 def check_rope_and_cache_write(case, dtype, bound, device="cpu", k_apart=False):
@@ -127,14 +137,14 @@ def check_rope_and_cache_write(case, dtype, bound, device="cpu", k_apart=False):
     KVCache.update writes it, and float64 attention; every other slot and row of the caches must
     stay as it was."""
     batch, position = case[0], case[6]
-    q, new_k, new_v, cos, sin, write_slot, k_cache, v_cache, keep = rope_and_write_case(*case, dtype=dtype,
-                                                                                        device=device, k_apart=k_apart)
+    args = rope_and_write_case(*case, dtype=dtype, device=device, k_apart=k_apart)
+    q, new_k, new_v, _, _, _, _, k_cache, v_cache = args
+    cos, sin, keep = rows_rope_and_keep(args, batch)
     expected_k, expected_v = k_cache.clone(), v_cache.clone()
     expected_k[:batch, :, position] = rotated(new_k, cos, sin)
     expected_v[:batch, :, position] = new_v
     reference = reference_attention(rotated(q, cos, sin), expected_k[:batch], expected_v[:batch], keep)
-    out = decode_attention.decode_attention_with_cache_write(q, new_k, new_v, cos, sin, write_slot, k_cache, v_cache,
-                                                             keep)
+    out = decode_attention.decode_attention_with_cache_write(*args)
     assert relative_error(out, reference) < bound
     assert torch.equal(v_cache, expected_v)
     # The rotated k is rounded from fp32 once either way; the interpreter truncates bf16, the GPU
@@ -167,13 +177,17 @@ def test_attention_with_rope_and_cache_write_matches_the_model_path(case, k_apar
 
 @interpreted
 def test_attention_with_cache_write_rejects_mismatched_inputs():
-    q, new_k, new_v, cos, sin, write_slot, k_cache, v_cache, keep = rope_and_write_case(*ROPE_CASES[0], torch.float32)
+    q, new_k, new_v, cos, sin, left_pad, write_slot, k_cache, v_cache = rope_and_write_case(*ROPE_CASES[0],
+                                                                                            torch.float32)
     with pytest.raises(ValueError, match=r"new k \(2, 2, 32\) / v \(2, 2, 16\) do not match 2 rows of 2 KV heads"):
-        decode_attention.decode_attention_with_cache_write(q, new_k, new_v[..., :16], cos, sin, write_slot, k_cache,
-                                                           v_cache, keep)
-    with pytest.raises(ValueError, match=r"cos \(1, 32\) does not match 2 rows of 32"):
-        decode_attention.decode_attention_with_cache_write(q, new_k, new_v, cos[:1], sin[:1], write_slot, k_cache,
-                                                           v_cache, keep)
+        decode_attention.decode_attention_with_cache_write(q, new_k, new_v[..., :16], cos, sin, left_pad, write_slot,
+                                                           k_cache, v_cache)
+    with pytest.raises(ValueError, match=r"RoPE tables \(100, 32\) / \(100, 32\) do not cover 160 positions of 32"):
+        decode_attention.decode_attention_with_cache_write(q, new_k, new_v, cos[:100], sin[:100], left_pad, write_slot,
+                                                           k_cache, v_cache)
+    with pytest.raises(ValueError, match=r"left_pad \(1,\) does not hold 2 rows' padding"):
+        decode_attention.decode_attention_with_cache_write(q, new_k, new_v, cos, sin, left_pad[:1], write_slot,
+                                                           k_cache, v_cache)
 
 
 # ---------------------------------------------------------------- GPU

@@ -54,10 +54,12 @@ def test_rope_cache_write_and_merge_leave_the_attention_loop_alone():
 
 
 def test_v_loaded_with_k_moves_every_slot_load_before_the_softmax():
-    # LOAD_V_WITH_K: the loop's last load in its first third (behind the softmax's reductions at
-    # ~70 % otherwise), no spills, registers for three programs of 128 threads an SM.
+    # LOAD_V_WITH_K: the loop's last load before its middle (behind the softmax's reductions at
+    # ~80 % otherwise; 0.41 since the decode step's kept window is computed, not loaded, which
+    # took the mask's loads out of the loop's first fifth), no spills, registers for three programs
+    # of 128 threads an SM.
     after, together = (kernel_sass.compile_partial_attention(True, merge=True, v_with_k=v) for v in (False, True))
-    assert max(after["loop_loads_at"]) > 0.6 and max(together["loop_loads_at"]) < 0.35, (after, together)
+    assert max(after["loop_loads_at"]) > 0.6 and max(together["loop_loads_at"]) < 0.5, (after, together)
     assert together["spill_bytes"] == 0 and together["registers"] <= 2 ** 16 // (3 * 128), together
 
 
