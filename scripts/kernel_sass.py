@@ -113,7 +113,7 @@ def compile_partial_attention(rope_and_write: bool, group_size: int = 4, head_di
 
 
 def compile_spmm(two_of_four: bool, block_out: int = 128, words: int = 2, num_warps: int = 4,
-                 block_tokens: int = 16, prefetch_pairs: bool = False) -> dict:
+                 block_tokens: int = 16, prefetch_pairs: bool = False, stages: int = 1) -> dict:
     """sparse/spmm.py's kernel for sm_90a (bf16, 16 kept a word; one 16-token tile = a decode
     batch, 64 = the prefill's tile), expanding by gather or, two_of_four, by nibble: registers,
     spills, the K loop's instructions and those per kept weight (the loop walks `words` mask words
@@ -123,13 +123,14 @@ def compile_spmm(two_of_four: bool, block_out: int = 128, words: int = 2, num_wa
     pointers = dict(x_ptr="*bf16", values_ptr="*bf16", mask_ptr="*i32", y_ptr="*bf16", workspace_ptr="*fp32",
                     arrivals_ptr="*i32")
     constants = dict(NNZ=16, CHUNK=8, BLOCK_OUT=block_out, BLOCK_TOKENS=block_tokens, WORDS=words,
-                     TWO_OF_FOUR=two_of_four, PREFETCH_PAIRS=two_of_four and prefetch_pairs, INTERPRETER_SAFE=False)
-    sass, registers, spill_bytes, _ = compile_for_sm90a(spmm._spmm_kernel, pointers, constants, num_warps,
+                     TWO_OF_FOUR=two_of_four, PREFETCH_PAIRS=two_of_four and prefetch_pairs, INTERPRETER_SAFE=False,
+                     STAGES=stages)
+    sass, registers, spill_bytes, shared = compile_for_sm90a(spmm._spmm_kernel, pointers, constants, num_warps,
                                                      divisible_by_16=[*pointers, "n_rows", "n_words"])
     loop = [op.split(".")[0] for op, _ in innermost_loop(sass, marker="HGMMA")]
     kept_per_thread = words * 16 * block_out / (32 * num_warps)
     mix = {op: loop.count(op) for op in sorted(set(loop), key=loop.count, reverse=True)}
-    return dict(registers=registers, spill_bytes=spill_bytes, loop=len(loop),
+    return dict(registers=registers, spill_bytes=spill_bytes, shared_bytes=shared, loop=len(loop),
                 per_kept_weight=len(loop) / kept_per_thread, mix=mix, sass=sass)
 
 

@@ -42,6 +42,12 @@ on the H200 it gained nothing (121 -> 123 µs a layer at 8 rows, docs/KERNEL_NOT
 Nsight Compute without it (session 18) still has the expansion's PRMT waiting on the value loads
 (9.5-24 % of stall samples); why loading them a step earlier did not help is open.
 
+Decode candidates also run the K loop as Triton's software pipeline (`tl.range(num_stages=3)`,
+DECODE_STAGES): every load of a 2:4 step (mask words, value pairs, x) becomes an asynchronous copy
+to shared memory issued two steps ahead, at 377 loop instructions instead of 280 (11.8 per kept
+weight, under the 17.7 budget) and 72 registers instead of 86. The tuner times both loops per
+shape and keeps the faster (not yet timed on the GPU: docs/KERNEL_NOTES.md session 19).
+
 Where the grid would be too small to fill the GPU, K is split over programs; their fp32
 partial sums meet in the workspace that `kernels.spmv` also uses (`_store_or_reduce`).
 `INTERPRETER_SAFE` (a constexpr) swaps libdevice popc for the SWAR `kernels._popcount`, so the
@@ -69,6 +75,10 @@ EXPAND_2OF4_BY_NIBBLE = True
 # (predicted 85-100; docs/KERNEL_NOTES.md, session 17), though session 18's profile without it still
 # shows the expansion waiting on those loads (see the module docstring).
 PREFETCH_2OF4_PAIRS = False
+# Decode candidates also time the K loop software-pipelined by Triton over these stages
+# (`_spmm_kernel`'s STAGES; the tuner keeps the hand-pipelined loop where it is faster). Added in
+# session 19 without a GPU run: docs/KERNEL_NOTES.md says what it should move. () turns them off.
+DECODE_STAGES = (3,)
 
 
 @triton.jit
@@ -226,9 +236,11 @@ def _multiply_step(acc, tile, x_ptr, tokens, token_ok, k, k_end, n_words, WORDS:
 def _spmm_kernel(x_ptr, values_ptr, mask_ptr, y_ptr, workspace_ptr, arrivals_ptr,
                  n_rows, n_tokens, n_words, words_per_split,
                  NNZ: tl.constexpr, CHUNK: tl.constexpr, BLOCK_OUT: tl.constexpr, BLOCK_TOKENS: tl.constexpr, WORDS: tl.constexpr,
-                 TWO_OF_FOUR: tl.constexpr, PREFETCH_PAIRS: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
+                 TWO_OF_FOUR: tl.constexpr, PREFETCH_PAIRS: tl.constexpr, STAGES: tl.constexpr,
+                 INTERPRETER_SAFE: tl.constexpr):
     """y[tokens, rows] = x[tokens] @ W[rows].T, x (n_tokens, 32 * n_words) and y row-major.
-    Grid: (row blocks, token blocks, K splits)."""
+    Grid: (row blocks, token blocks, K splits). STAGES > 1: the K loop software-pipelined by Triton
+    (see below); 1: pipelined by hand."""
     row_block = tl.program_id(0)
     rows = row_block * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
     row_ok = rows < n_rows
@@ -237,24 +249,39 @@ def _spmm_kernel(x_ptr, values_ptr, mask_ptr, y_ptr, workspace_ptr, arrivals_ptr
     k_begin = tl.program_id(2) * words_per_split
     k_end = tl.minimum(k_begin + words_per_split, n_words)
 
-    # Software pipeline: the tile multiplied now was expanded one step ago, from words (and, with
-    # PREFETCH_PAIRS, value pairs) loaded two steps ago. The last step is peeled off so that no
-    # program expands a tile past its end.
-    words, pairs = _load_step(values_ptr, mask_ptr, k_begin, k_end, rows, row_ok, n_rows, CHUNK, WORDS, PREFETCH_PAIRS)
-    tile = _expand(values_ptr, words, pairs, k_begin, rows, n_rows, NNZ, CHUNK, WORDS, TWO_OF_FOUR,
-                   PREFETCH_PAIRS, INTERPRETER_SAFE)
-    next_words, next_pairs = _load_step(values_ptr, mask_ptr, k_begin + WORDS, k_end, rows, row_ok, n_rows, CHUNK,
-                                        WORDS, PREFETCH_PAIRS)
     acc = tl.zeros([BLOCK_OUT, BLOCK_TOKENS], dtype=tl.float32)
-    k_last = k_begin + (k_end - k_begin - 1) // WORDS * WORDS
-    for k in range(k_begin, k_last, WORDS):
-        next_tile = _expand(values_ptr, next_words, next_pairs, k + WORDS, rows, n_rows, NNZ, CHUNK, WORDS,
-                            TWO_OF_FOUR, PREFETCH_PAIRS, INTERPRETER_SAFE)
-        next_words, next_pairs = _load_step(values_ptr, mask_ptr, k + 2 * WORDS, k_end, rows, row_ok, n_rows, CHUNK,
-                                            WORDS, PREFETCH_PAIRS)
-        acc = _multiply_step(acc, tile, x_ptr, tokens, token_ok, k, k_end, n_words, WORDS, INTERPRETER_SAFE)
-        tile = next_tile
-    acc = _multiply_step(acc, tile, x_ptr, tokens, token_ok, k_last, k_end, n_words, WORDS, INTERPRETER_SAFE)
+    if STAGES > 1:
+        # Triton's pipeliner copies each step's loads (mask words, 2:4 value pairs, the x tile)
+        # to shared memory asynchronously, STAGES - 1 steps ahead (sm_90a, kernel_sass.compile_spmm:
+        # all 7 of the 2:4 loop's loads become LDGSTS). The hand pipeline below has one step of
+        # loads in flight and waits on it every trip: Nsight Compute (session 18) put long-scoreboard
+        # stalls first at 8 rows. A gather expansion's value loads depend on the step's own words,
+        # so for the other patterns only the words and x go ahead.
+        for k in tl.range(k_begin, k_end, WORDS, num_stages=STAGES):
+            words, pairs = _load_step(values_ptr, mask_ptr, k, k_end, rows, row_ok, n_rows, CHUNK, WORDS,
+                                      TWO_OF_FOUR)
+            tile = _expand(values_ptr, words, pairs, k, rows, n_rows, NNZ, CHUNK, WORDS, TWO_OF_FOUR,
+                           TWO_OF_FOUR, INTERPRETER_SAFE)
+            acc = _multiply_step(acc, tile, x_ptr, tokens, token_ok, k, k_end, n_words, WORDS, INTERPRETER_SAFE)
+    else:
+        # Pipelined by hand: the tile multiplied now was expanded one step ago, from words (and,
+        # with PREFETCH_PAIRS, value pairs) loaded two steps ago. The last step is peeled off so
+        # that no program expands a tile past its end.
+        words, pairs = _load_step(values_ptr, mask_ptr, k_begin, k_end, rows, row_ok, n_rows, CHUNK, WORDS,
+                                  PREFETCH_PAIRS)
+        tile = _expand(values_ptr, words, pairs, k_begin, rows, n_rows, NNZ, CHUNK, WORDS, TWO_OF_FOUR,
+                       PREFETCH_PAIRS, INTERPRETER_SAFE)
+        next_words, next_pairs = _load_step(values_ptr, mask_ptr, k_begin + WORDS, k_end, rows, row_ok, n_rows,
+                                            CHUNK, WORDS, PREFETCH_PAIRS)
+        k_last = k_begin + (k_end - k_begin - 1) // WORDS * WORDS
+        for k in range(k_begin, k_last, WORDS):
+            next_tile = _expand(values_ptr, next_words, next_pairs, k + WORDS, rows, n_rows, NNZ, CHUNK, WORDS,
+                                TWO_OF_FOUR, PREFETCH_PAIRS, INTERPRETER_SAFE)
+            next_words, next_pairs = _load_step(values_ptr, mask_ptr, k + 2 * WORDS, k_end, rows, row_ok, n_rows,
+                                                CHUNK, WORDS, PREFETCH_PAIRS)
+            acc = _multiply_step(acc, tile, x_ptr, tokens, token_ok, k, k_end, n_words, WORDS, INTERPRETER_SAFE)
+            tile = next_tile
+        acc = _multiply_step(acc, tile, x_ptr, tokens, token_ok, k_last, k_end, n_words, WORDS, INTERPRETER_SAFE)
 
     offsets = tokens[None, :] * n_rows + rows[:, None]
     _store_or_reduce(acc, y_ptr, workspace_ptr, arrivals_ptr, row_block, offsets, row_ok[:, None] & token_ok[None, :],
@@ -265,18 +292,19 @@ def _spmm_kernel(x_ptr, values_ptr, mask_ptr, y_ptr, workspace_ptr, arrivals_ptr
 
 
 def candidate_configs(n_rows: int, n_words: int, n_tokens: int):
-    """(BLOCK_OUT, BLOCK_TOKENS, WORDS, warps, split) worth timing for a shape.
+    """(BLOCK_OUT, BLOCK_TOKENS, WORDS, warps, split, stages) worth timing for a shape.
 
     One thread per row of the tile (BLOCK_OUT = 32 x warps); decode splits K until 2, 4 or 8
-    programs per SM exist (each walks its words one after another), at least 2 steps each;
-    prefill tiles the tokens instead.
+    programs per SM exist (each walks its words one after another), at least 2 steps each, with
+    the K loop pipelined by hand (stages 1) or by Triton over DECODE_STAGES; prefill tiles the
+    tokens instead.
     """
     if INTERPRETING:  # the interpreter is slow: one small config that still splits K
-        return [(32, MMA_TOKENS, 1, 1, 1 if n_tokens > MMA_TOKENS else max(1, min(2, n_words)))]
+        return [(32, MMA_TOKENS, 1, 1, 1 if n_tokens > MMA_TOKENS else max(1, min(2, n_words)), 1)]
     if n_tokens > MMA_TOKENS:
         # 64 tokens per tile: 128 spill (sm_90 compile: 255 registers + stack). The expansion is
         # redone for every token tile, so prefill pays it n_tokens / 64 times (see the module doc).
-        return [(128, 64, 2, 4, 1)]
+        return [(128, 64, 2, 4, 1, 1)]
     configs = []
     for warps in (4, 8):
         block_out = 32 * warps
@@ -284,8 +312,9 @@ def candidate_configs(n_rows: int, n_words: int, n_tokens: int):
         for words in (1, 2):
             for target_programs in (264, 528, 1056):
                 split = max(1, min(triton.cdiv(target_programs, row_blocks), n_words // (2 * words)))
-                if (block_out, MMA_TOKENS, words, warps, split) not in configs:
-                    configs.append((block_out, MMA_TOKENS, words, warps, split))
+                for stages in (1, *DECODE_STAGES):
+                    if (block_out, MMA_TOKENS, words, warps, split, stages) not in configs:
+                        configs.append((block_out, MMA_TOKENS, words, warps, split, stages))
     return configs
 
 
@@ -319,7 +348,7 @@ def spmm(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, config=None,
     """y = x @ W.T for x of shape (tokens, in), W given as (values, mask); y in x's dtype.
 
     x is multiplied in W's dtype (bf16 for a model). config: (BLOCK_OUT, BLOCK_TOKENS, WORDS,
-    warps, split) instead of the tuned choice; out: optional (tokens, out_features) buffer.
+    warps, split, stages) instead of the tuned choice; out: optional (tokens, out_features) buffer.
     two_of_four: W is 2:4 (the caller knows its pattern; the mask alone does not say): with
     EXPAND_2OF4_BY_NIBBLE on and W in bf16/fp16, tiles expand by nibble (`_expand_tile_2of4`)
     instead of by gather; a 16-a-word mask that is not 2:4 then gives a wrong product, not an error.
@@ -332,7 +361,7 @@ def spmm(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, config=None,
     if two_of_four and nnz != 16:
         raise ValueError(f"spmm: a 2:4 weight keeps 16 values a word, this one {nnz}")
     two_of_four = two_of_four and EXPAND_2OF4_BY_NIBBLE and values.element_size() == 2  # it moves 16-bit pairs
-    block_out, block_tokens, words, warps, split = config or spmm_config(x, values, mask, two_of_four)
+    block_out, block_tokens, words, warps, split, stages = config or spmm_config(x, values, mask, two_of_four)
     if n_tokens > MMA_TOKENS:
         split = 1  # the workspace holds at most 16 token rows; prefill has programs enough anyway
     words_per_split = triton.cdiv(triton.cdiv(n_words, split), words) * words
@@ -343,6 +372,6 @@ def spmm(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, config=None,
     grid = (row_blocks, triton.cdiv(n_tokens, block_tokens), split)
     _spmm_kernel[grid](x, values, mask, y, workspace, arrivals, n_rows, n_tokens, n_words, words_per_split,
                        NNZ=nnz, CHUNK=values.shape[2], BLOCK_OUT=block_out, BLOCK_TOKENS=block_tokens, WORDS=words,
-                       TWO_OF_FOUR=two_of_four, PREFETCH_PAIRS=two_of_four and PREFETCH_2OF4_PAIRS,
+                       TWO_OF_FOUR=two_of_four, PREFETCH_PAIRS=two_of_four and PREFETCH_2OF4_PAIRS, STAGES=stages,
                        INTERPRETER_SAFE=INTERPRETING, num_warps=warps)
     return y

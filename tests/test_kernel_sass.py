@@ -81,6 +81,17 @@ def test_2of4_prefetched_pairs_stay_in_budget():
     assert prefetched["per_kept_weight"] <= 1.05 * plain["per_kept_weight"], (plain, prefetched)
 
 
+def test_pipelined_2of4_spmm_copies_every_load_ahead():
+    # STAGES 3 (spmm.DECODE_STAGES): Triton's pipeliner must take all of the 2:4 K loop's loads
+    # (mask words, value pairs, x) into asynchronous copies, within the issue budget (17.7 a kept
+    # weight), without spills, and in shared memory for four programs an SM.
+    hand, pipelined = (kernel_sass.compile_spmm(True, stages=s) for s in (1, 3))
+    assert hand["mix"].get("LDG", 0) > 0 and pipelined["mix"].get("LDG", 0) == 0, (hand["mix"], pipelined["mix"])
+    assert pipelined["mix"].get("LDGSTS", 0) >= 3, pipelined["mix"]
+    assert pipelined["spill_bytes"] == 0 and pipelined["per_kept_weight"] < 14, pipelined
+    assert 4 * pipelined["shared_bytes"] <= 228 * 1024, pipelined
+
+
 def test_2of4_nibble_expansion_fits_the_issue_budget():
     # The SpMM's K loop at a decode batch: the gather expansion is over the ~17.7 instructions per
     # kept weight that the H200 can issue at full bandwidth; the 2:4 nibble one (two byte permutes

@@ -31,7 +31,9 @@ def test_spmm_matches_float64(pattern, tokens):
     seed = case_seed(pattern, tokens)
     values, mask = random_packed(40, 96, pattern, seed)
     reference_weight = unpack(values, mask).double()
-    configs = [(32, 16, 1, 1, 1), (32, 16, 2, 1, 2)]  # (BLOCK_OUT, BLOCK_TOKENS, WORDS, warps, split)
+    # (BLOCK_OUT, BLOCK_TOKENS, WORDS, warps, split, stages): one word a step, then two split 2 + 1,
+    # pipelined by hand and by Triton
+    configs = [(32, 16, 1, 1, 1, 1), (32, 16, 2, 1, 2, 1), (32, 16, 2, 1, 2, 3)]
     for config in configs:
         x = torch.randn(tokens, 96, generator=torch.Generator().manual_seed(seed + config[2]))
         out = torch.full((tokens, 40), float("nan"))  # poisoned: an unwritten element fails
@@ -87,7 +89,7 @@ def test_spmm_2of4_nibble_expansion_matches_float64(tokens, prefetch_pairs, monk
     seed = case_seed("2:4 nibble", tokens)
     values, mask = random_packed(40, 96, "2:4", seed, dtype=torch.bfloat16)
     reference_weight = unpack(values, mask).double()
-    for config in [(32, 16, 1, 1, 1), (32, 16, 2, 1, 2)]:
+    for config in [(32, 16, 1, 1, 1, 1), (32, 16, 2, 1, 2, 1), (32, 16, 2, 1, 2, 3)]:
         x = torch.randn(tokens, 96, generator=torch.Generator().manual_seed(seed + config[2])).bfloat16()
         out = torch.full((tokens, 40), float("nan"), dtype=torch.bfloat16)
         y = spmm.spmm(x, values, mask, config=config, out=out, two_of_four=True)
@@ -115,8 +117,8 @@ def test_spmm_llama_shapes_bf16(out_features, in_features, expansion, monkeypatc
     values, mask = random_packed(out_features, in_features, "2:4", 0, device="cuda", dtype=torch.bfloat16)
     reference_weight = unpack(values, mask).double()
     for tokens in (4, 8, 16, 2048):
-        # Every candidate's tile shape once (split-K or not), instead of timing them all.
-        configs = {c[:4]: c for c in spmm.candidate_configs(out_features, in_features // 32, tokens)}
+        # Every candidate's tile shape once (split-K or not) with each K loop, instead of timing them all.
+        configs = {(*c[:4], c[5]): c for c in spmm.candidate_configs(out_features, in_features // 32, tokens)}
         for config in configs.values():
             x = torch.randn(tokens, in_features, device="cuda", dtype=torch.bfloat16)
             out = torch.full((tokens, out_features), float("nan"), device="cuda", dtype=torch.bfloat16)
