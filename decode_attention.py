@@ -298,6 +298,13 @@ def supports(head_dim: int) -> bool:
     return head_dim >= 16 and head_dim & (head_dim - 1) == 0
 
 
+def handles(q: Tensor) -> bool:
+    """Whether model.py sends a decode step's attention with this q [.., head_dim] here: on CUDA, for
+    a head_dim the kernels support; CPU decodes through SDPA (a test patches this to compile the
+    model's decode step around the kernels on CPU, under the interpreter)."""
+    return q.is_cuda and supports(q.shape[-1])
+
+
 def _attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, keep=None, new_k=None, new_v=None, rope_cos=None,
             rope_sin=None, left_pad=None, write_slot=None) -> Tensor:
     """The kernels for q [B, H, D] over the first B rows of the caches, attending keep's slots; or,

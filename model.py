@@ -232,7 +232,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         # A decode step on the GPU goes to flash-decoding kernels (decode_attention.py says why not SDPA).
-        decode_kernels = T == 1 and q.is_cuda and self.kv_cache is not None and decode_attention.supports(self.head_dim)
+        decode_kernels = T == 1 and self.kv_cache is not None and decode_attention.handles(q)
         if decode_kernels and decode_attention.FUSE_ROPE_AND_CACHE_WRITE and decode_buffers is not None:
             # RoPE, the cache write and the causal/padding window inside the kernel
             cache = self.kv_cache

@@ -190,6 +190,39 @@ def test_attention_with_cache_write_rejects_mismatched_inputs():
                                                            k_cache, v_cache)
 
 
+@interpreted
+def test_compiled_decode_step_hands_the_model_buffers_to_the_fused_kernel(monkeypatch):
+    # The compiled decode step around the kernels (on CPU: Inductor's C++ code, the kernels under
+    # the interpreter) must give the fused attention the model's own buffers. Per-step rows computed
+    # in the graph (cos/sin at the position, the mask's row) were copied into fresh buffers for each
+    # layer's call (16 launches a 2:4 Llama-3.1-8B step on the H200, ~108 in dense; BENCHMARKS
+    # session 19). Its logits must match the same model on SDPA, with a left-padded row.
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    from model import ModelArgs, Transformer
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(block_size=128, vocab_size=64, n_layer=3, n_head=8, n_local_heads=2, dim=256,
+                                  intermediate_size=128)).eval()
+    model.setup_caches(2, 64)
+    model.set_left_padding(torch.tensor([0, 3]))
+    token, position = torch.randint(0, 64, (2, 1)), torch.tensor([9])
+    with torch.no_grad():
+        model(torch.randint(0, 64, (2, 9)), torch.arange(9))  # the prompt, through SDPA (CPU)
+        reference = model(token, position)  # SDPA; the fused kernel writes the same slot again below
+        monkeypatch.setattr(decode_attention, "handles", lambda q: decode_attention.supports(q.shape[-1]))
+        logits, codes = run_and_get_code(torch.compile(model), token, position)
+    assert relative_error(logits, reference) < 1e-4
+    calls = re.findall(r"sparse_decoding\.decode_attention_with_cache_write\.default\((.*)\)$", "\n".join(codes), re.M)
+    assert len(calls) == 3, calls
+    for call in calls:
+        # q, new k, new v: views into the qkv output; then the tables, the padding, the new token's
+        # slot and the caches: every one an input of the graph, none a buffer made in it
+        arguments = re.sub(r"reinterpret_tensor\(buf\d+, \([^)]*\), \([^)]*\), \d+\)", "view", call).split(", ")
+        assert arguments[:3] == ["view"] * 3 and all(re.fullmatch(r"arg\d+_1", a) for a in arguments[3:]), call
+
+
 # ---------------------------------------------------------------- GPU
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
