@@ -34,7 +34,7 @@ import torch.nn.functional as F
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from sparse import kernels, spmm  # noqa: E402
+from sparse import kernels, linear, spmm  # noqa: E402
 from sparse.format import pack, parse_pattern  # noqa: E402
 from sparse.linear import PROLOGUE_APART_MIN_ROWS, spmm_min_rows  # noqa: E402
 
@@ -55,7 +55,8 @@ def random_weight(out_features: int, in_features: int) -> torch.Tensor:
 def sparse_call(x, values, mask, config=None):
     if x.shape[0] <= kernels.MAX_SPMV_BATCH:
         return lambda: kernels.spmv(x, values, mask, config)
-    return lambda: F.linear(x, kernels.unpack_to_dense(values, mask))
+    # The prefill: expanded to dense and cuBLAS, in linear.PREFILL_SLICES slices (--prefill-slices)
+    return lambda: linear.prefill_matmul(x, values, mask, linear.PREFILL_SLICES)
 
 
 # What a decode step's SparseLinear does inside its SpMV launch (model.project), per layer: the
@@ -434,9 +435,12 @@ def main():
     p.add_argument("--unpack-sweep", help="OUTxIN,... or 'all': time the prefill's expansion kernels and configs")
     p.add_argument("--chain", help="MODEL,...: time the SpMV chain of a decode step (decode_chain) instead")
     p.add_argument("--pack-x", help="MODEL,...: x one row per register against bf16 pairs (pack_x_ab), at --batches")
+    p.add_argument("--prefill-slices", type=int, help="time the prefill with linear.PREFILL_SLICES set to this")
     p.add_argument("--out-md", type=Path)
     p.add_argument("--out-json", type=Path)
     args = p.parse_args()
+    if args.prefill_slices:
+        linear.PREFILL_SLICES = args.prefill_slices
     if not torch.cuda.is_available():
         sys.exit("bench_kernel.py needs a CUDA GPU")
     torch.manual_seed(0)

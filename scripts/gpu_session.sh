@@ -13,6 +13,8 @@
 #   kernel_table    bench_kernel.py: the issue-3 table, 16 shapes x batch 1/4/8/16/2048 (~4)
 #   kernel_table_b1_prefill  the same table at batch 1 and the 2048-token prefill only (~5)
 #   kernel_table_b1  the same table at batch 1 only, without torch's 2:4 (~1)
+#   prefill_slices  the sliced prefill's GPU tests, then bench_kernel.py's 2048-token prefill on every shape with the
+#                   weight expanded whole (linear.PREFILL_SLICES 1) and in 4 slices on a second stream (~5)
 #   unpack_sweep    bench_kernel.py --unpack-sweep all: the prefill's expansion to dense, kernels x configs (~2)
 #   kernel_pack_x   bench_kernel.py --pack-x: x one row per register vs bf16 pairs, Llama-3.1-8B and Qwen3-14B
 #                   shapes at 2, 4, 8, 16 rows, each autotuned, plain / fused / prologue apart, with cuBLAS
@@ -114,6 +116,7 @@ PLAIN_LOOP="decode_attention.py:s/^PIPELINE_STAGES = 2/PIPELINE_STAGES = 1/"
 PROGRAMS1056="decode_attention.py:s/^PROGRAMS_TARGET = 264 /PROGRAMS_TARGET = 1056 /"
 declare -A JOBS=(
   [gpu_tests]="python3 -m pytest -v -m gpu tests"
+  [prefill_slices]="python3 -m pytest -q -m gpu tests/test_sparse_kernels.py -k prefill_matmul; for n in 1 4; do python3 scripts/bench_kernel.py --batches 2048 --no-semi --prefill-slices \$n --out-md \$JOB/slices\$n.md --out-json \$JOB/slices\$n.json; done"
   [kernel_table_b1_prefill]="python3 scripts/bench_kernel.py --batches 2048,1 --out-md \$JOB/table.md --out-json \$JOB/bench.json"
   [kernel_table_b1]="python3 scripts/bench_kernel.py --batches 1 --no-semi --out-md \$JOB/table.md --out-json \$JOB/bench.json"
   [unpack_sweep]="python3 scripts/bench_kernel.py --unpack-sweep all --out-json \$JOB/unpack.json"

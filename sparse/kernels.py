@@ -379,13 +379,14 @@ def _popcount(bits):
 
 
 @triton.jit
-def _unpack_kernel(values_ptr, mask_ptr, dense_ptr, n_rows, n_words,
+def _unpack_kernel(values_ptr, mask_ptr, dense_ptr, n_rows, row_stride, n_words,
                    NNZ_PER_WORD: tl.constexpr, CHUNK: tl.constexpr, BLOCK_ROWS: tl.constexpr,
                    WORDS_PER_PROGRAM: tl.constexpr):
     """Dense rows from (values, mask), one word of BLOCK_ROWS rows at a time: a row's kept values
     of the word come in CHUNK-wide (16-byte) loads and are spread over its 32 columns in registers
     (tl.gather by each column's rank among the set bits). 24-26 % faster on the H200 than loading
-    each column's value with a scalar gather (docs/KERNEL_NOTES.md, session 10)."""
+    each column's value with a scalar gather (docs/KERNEL_NOTES.md, session 10). n_rows rows of a
+    packed weight of row_stride rows (the pointers at the first of them) into n_rows dense rows."""
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_ok = rows < n_rows
     bit = tl.arange(0, 32).to(tl.uint32)
@@ -396,10 +397,10 @@ def _unpack_kernel(values_ptr, mask_ptr, dense_ptr, n_rows, n_words,
     for i in tl.static_range(WORDS_PER_PROGRAM):
         k = tl.program_id(1) * WORDS_PER_PROGRAM + i
         if k < n_words:
-            word = tl.load(mask_ptr + k * n_rows + rows, mask=row_ok, other=0).to(tl.uint32, bitcast=True)
+            word = tl.load(mask_ptr + k * row_stride + rows, mask=row_ok, other=0).to(tl.uint32, bitcast=True)
             kept = ((word[:, None] >> bit[None, :]) & 1) != 0
             rank = _popcount(word[:, None] & below[None, :]).to(tl.int32)
-            offsets = ((k * CHUNKS + chunk)[None, :, None] * n_rows + rows[:, None, None]) * CHUNK + lane[None, None, :]
+            offsets = ((k * CHUNKS + chunk)[None, :, None] * row_stride + rows[:, None, None]) * CHUNK + lane[None, None, :]
             kept_values = tl.load(values_ptr + offsets, mask=row_ok[:, None, None], other=0.0)
             kept_values = tl.reshape(kept_values, (BLOCK_ROWS, NNZ_PER_WORD))
             if NNZ_PER_WORD == 1:  # one value per word (1:32): Triton cannot lower a gather over one element
@@ -621,17 +622,23 @@ def spmv(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, config=None,
     return y
 
 
-def unpack_to_dense(values: torch.Tensor, mask: torch.Tensor, out=None, config=None) -> torch.Tensor:
+def unpack_to_dense(values: torch.Tensor, mask: torch.Tensor, out=None, config=None, rows=None) -> torch.Tensor:
     """Dense (out, in) weight from (values, mask), on the device (graph-capturable).
 
     config: (rows, words) or (rows, words, warps) per program instead of the default.
+    rows: (first, end) to expand only those rows, into an (end - first, in) result.
     """
-    n_words, n_rows = mask.shape
+    n_words, row_stride = mask.shape
+    first, end = rows or (0, row_stride)
+    if not 0 <= first < end <= row_stride:
+        raise ValueError(f"unpack_to_dense: rows {first}..{end} are not inside the weight's {row_stride}")
+    n_rows = end - first
     chunks, _, chunk = values.shape
     nnz = chunks * chunk // n_words
     dense = torch.empty(n_rows, n_words * 32, dtype=values.dtype, device=values.device) if out is None else out
     block_rows, words_per_program, warps = (*config, 4)[:3] if config else ((16, 2, 4) if INTERPRETING else (64, 4, 4))
     grid = (triton.cdiv(n_rows, block_rows), triton.cdiv(n_words, words_per_program))
-    _unpack_kernel[grid](values, mask, dense, n_rows, n_words, NNZ_PER_WORD=nnz, CHUNK=chunk,
-                         BLOCK_ROWS=block_rows, WORDS_PER_PROGRAM=words_per_program, num_warps=warps)
+    # The pointers start at row `first`: its offset inside each word's rows (row_stride apart).
+    _unpack_kernel[grid](values[:, first:], mask[:, first:], dense, n_rows, row_stride, n_words, NNZ_PER_WORD=nnz,
+                         CHUNK=chunk, BLOCK_ROWS=block_rows, WORDS_PER_PROGRAM=words_per_program, num_warps=warps)
     return dense

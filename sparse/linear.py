@@ -4,8 +4,9 @@ Dispatch of `sparse_matmul` by where it runs and how many rows x has:
 - CUDA (or CPU under TRITON_INTERPRET=1): up to 16 rows -> the CUDA-core SpMV (kernels.spmv),
   or from spmm_min_rows rows on the tensor-core SpMM (spmm.spmm, which expands weight tiles in
   registers for tl.dot); more rows (prefill) -> the SpMM if SPMM_PREFILL, else expand the
-  weight to dense with a Triton kernel and call cuBLAS. The switches below say why they are set
-  as they are.
+  weight to dense with a Triton kernel and call cuBLAS (whole, or in PREFILL_SLICES slices that
+  overlap the next slice's expansion with this one's GEMM). The switches below say why they are
+  set as they are.
 - CPU otherwise: pure PyTorch (unpack + F.linear).
 The CUDA path is a `torch.library.custom_op`, so torch.compile(fullgraph=True) keeps it as one
 opaque node and mode="reduce-overhead" records its kernels into the CUDA graph. (An opaque op
@@ -33,6 +34,12 @@ from sparse.format import pack, packed_shapes, parse_pattern, unpack
 SPMM_MIN_ROWS = 9
 SPMM_MIN_ROWS_2OF4 = 8
 SPMM_PREFILL = False
+# Prefill expands the weight in this many slices of rows, on a second CUDA stream, each slice's
+# cuBLAS GEMM overlapping the next slice's expansion (`prefill_matmul`): the expansion is DRAM-bound
+# (2.7-3.1 TB/s) and the GEMM at 2048 tokens compute-bound, so apart the expansion adds 5-12 % to
+# the GEMM (0.89-0.98x of dense, docs/BENCHMARKS.md session 10). 1: expand it whole, then one GEMM.
+# Off until timed (built in session 19 without a GPU run; docs/KERNEL_NOTES.md says what it should move).
+PREFILL_SLICES = 1
 # From this many rows of x the prologue (RMSNorm, silu(gate) * up) runs as its own small kernel
 # before the SpMV, which then only fuses the residual: inside the SpMV every row block repeats the
 # prologue's per-element work, which grows with the rows while one extra launch does not. On the
@@ -62,7 +69,49 @@ def _bitmask_matmul(x: Tensor, values: Tensor, mask: Tensor, norm_weight: Option
                 else spmm.spmm(x, values, mask, two_of_four=two_of_four))
     if SPMM_PREFILL:
         return spmm.spmm(x, values, mask, two_of_four=two_of_four)
-    return F.linear(x, kernels.unpack_to_dense(values, mask).to(x.dtype))
+    return prefill_matmul(x, values, mask, PREFILL_SLICES)
+
+
+_side_streams = {}
+
+
+def prefill_matmul(x: Tensor, values: Tensor, mask: Tensor, slices: int = 1) -> Tensor:
+    """x @ W.T for a prefill-sized x: W expanded to dense (kernels.unpack_to_dense) and cuBLAS.
+
+    slices > 1: W is expanded in `slices` slices of rows (multiples of 64) into two alternating
+    buffers on a second stream, while the current stream multiplies the slice before into its
+    columns of y; the slices' GEMMs read no more of W than one GEMM does, and the expansion's
+    memory traffic hides under their tensor-core work. Off CUDA (the interpreter) the same slices
+    run one after another, which is what the CPU tests check."""
+    n_words, n_rows = mask.shape
+    if slices <= 1:
+        return F.linear(x, kernels.unpack_to_dense(values, mask).to(x.dtype))
+    rows_per_slice = -(-n_rows // (64 * slices)) * 64
+    bounds = [(first, min(first + rows_per_slice, n_rows)) for first in range(0, n_rows, rows_per_slice)]
+    y = x.new_empty(x.shape[0], n_rows)
+    buffers = [values.new_empty(rows_per_slice, n_words * 32) for _ in range(min(2, len(bounds)))]
+    main = torch.cuda.current_stream(x.device) if x.is_cuda else None
+    side = _side_streams.setdefault(x.device, torch.cuda.Stream(x.device)) if x.is_cuda else None
+    if side is not None:
+        side.wait_stream(main)  # x and the buffers are ready before the side stream touches them
+    multiplied = [None] * len(bounds)  # events: slice i's GEMM is done, its buffer free again
+    for i, (first, end) in enumerate(bounds):
+        weight = buffers[i % 2][: end - first]
+        if side is None:
+            kernels.unpack_to_dense(values, mask, out=weight, rows=(first, end))
+        else:
+            with torch.cuda.stream(side):
+                if i >= 2:
+                    side.wait_event(multiplied[i - 2])
+                kernels.unpack_to_dense(values, mask, out=weight, rows=(first, end))
+                expanded = torch.cuda.Event()
+                expanded.record(side)
+            main.wait_event(expanded)
+        torch.mm(x, weight.to(x.dtype).T, out=y[:, first:end])
+        if side is not None:
+            multiplied[i] = torch.cuda.Event()
+            multiplied[i].record(main)
+    return y
 
 
 def spmm_min_rows(two_of_four: bool) -> int:

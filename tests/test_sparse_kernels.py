@@ -195,6 +195,29 @@ def test_unpack_to_dense_matches_unpack(pattern):
 
 
 @interpreted
+def test_unpack_to_dense_expands_a_range_of_rows():
+    # The sliced prefill's expansion: rows 16..37 of a 37-row weight (a slice that starts inside
+    # the weight and ends at its last row), and a refused range.
+    values, mask = random_packed(37, 160, "2:4", 4)
+    out = torch.full((21, 160), float("nan"))
+    assert torch.equal(kernels.unpack_to_dense(values, mask, out=out, rows=(16, 37)), unpack(values, mask)[16:37])
+    with pytest.raises(ValueError, match=r"rows 30\.\.40 are not inside the weight's 37"):
+        kernels.unpack_to_dense(values, mask, rows=(30, 40))
+
+
+@interpreted
+@pytest.mark.parametrize("slices", [1, 2, 4])
+def test_prefill_matmul_in_slices_matches_float64(slices):
+    # 200 rows in slices of whole 64-row blocks: 4 slices of 64, 64, 64, 8 (more slices than the two
+    # buffers, a short last one), 2 of 128 + 72, or the whole weight at once.
+    from sparse import linear
+    values, mask = random_packed(200, 96, "4:8", slices)
+    x = torch.randn(40, 96, generator=torch.Generator().manual_seed(slices))
+    y = linear.prefill_matmul(x, values, mask, slices)
+    assert y.shape == (40, 200) and relative_error(y, x.double() @ unpack(values, mask).double().T) < 1e-6
+
+
+@interpreted
 def test_sparse_linear_dispatch_under_interpreter():
     from sparse import SparseLinear
     layer = SparseLinear.from_dense(torch.randn(24, 64), "4:8")
@@ -238,6 +261,26 @@ def test_gpu_sparse_decode_step_with_the_default_fusions_matches_float64(rows):
     assert probe.fuses(x, prologue=True) == (rows < min(linear.PROLOGUE_APART_MIN_ROWS, linear.RESIDUAL_APART_MIN_ROWS))
     logits = model(token.cuda(), torch.tensor([5], device="cuda"))
     assert relative_error(logits.cpu(), reference(token, torch.tensor([5]))) < 3e-2
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("slices", [2, 4])
+def test_gpu_prefill_matmul_in_slices(slices):
+    # The expansion on a second stream, each slice's GEMM on the current one: eagerly and recorded
+    # into a CUDA graph (as bench_kernel times it), against float64; y poisoned before the graph's replay.
+    from sparse import linear
+    values, mask = random_packed(6144, 4096, "2:4", slices, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(2048, 4096, device="cuda", dtype=torch.bfloat16)
+    reference = x.double() @ unpack(values, mask).double().T
+    assert relative_error(linear.prefill_matmul(x, values, mask, slices), reference) < 1e-2
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = linear.prefill_matmul(x, values, mask, slices)
+    y.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert relative_error(y, reference) < 1e-2
 
 
 @pytest.mark.gpu
