@@ -50,6 +50,8 @@
 #   decode_output_code_b1  Llama-3.1-8B 2:4 at batch 1 with a fresh Inductor cache of its own, then keeps the compiled
 #                   decode step's wrapper code (what launches what, and which small kernels run per layer: 16
 #                   pointwise launches a step around the attention, ~24 µs, session 18) and drops the cache (~3)
+#   decode_output_code_dense_b1  the same for dense, profiled (its 108 small copy launches a step before the attention
+#                   took the model's buffers itself, session 19) (~3)
 #   decode_b1_patterns  our dense and 4:8, 8:16, 16:32, each in a fresh process (~6)
 #   decode_batches  Llama-3.1-8B dense and 2:4 at batch 4 and 8 (~8)
 #   decode_prologue_ab_b1  Llama-3.1-8B 2:4 at batch 1, A/B in alternating fresh processes
@@ -142,6 +144,7 @@ declare -A JOBS=(
   [decode_b1_ours]="$DECODE --models Llama-3.1-8B --patterns dense,2:4 --batch_sizes 1 --profile --out \$JOB"
   [decode_sampling_b1]="OUT=\$JOB bash scripts/decode_variants.sh 1 'base=' 'argmax_whole=$ARGMAX_WHOLE' 'topk64=$TOPK64' -- --models Llama-3.1-8B --patterns 2:4 --batch_sizes 1 --profile"
   [decode_output_code_b1]="TORCHINDUCTOR_CACHE_DIR=\$JOB/inductor $DECODE --models Llama-3.1-8B --patterns 2:4 --batch_sizes 1 --same_process --out \$JOB; grep -rl --include='*.py' 'def call(' \$JOB/inductor | xargs -r cp -t \$JOB/ ; rm -rf \$JOB/inductor"
+  [decode_output_code_dense_b1]="TORCHINDUCTOR_CACHE_DIR=\$JOB/inductor $DECODE --models Llama-3.1-8B --patterns dense --batch_sizes 1 --same_process --profile --out \$JOB; grep -rl --include='*.py' 'def call(' \$JOB/inductor | xargs -r cp -t \$JOB/ ; rm -rf \$JOB/inductor"
   [decode_b1_patterns]="$DECODE --models Llama-3.1-8B --patterns dense,4:8,8:16,16:32 --batch_sizes 1 --out \$JOB"
   [decode_prologue_ab_b1]="OUT=\$JOB bash scripts/decode_ab.sh 'sparse/linear.py:s/^PROLOGUE_APART_MIN_ROWS = 4/PROLOGUE_APART_MIN_ROWS = 1/' 1 1 -- --models Llama-3.1-8B --patterns 2:4"
   [decode_attention_off_b48]="OUT=\$JOB bash scripts/decode_variants.sh 1 'on=' 'spmv8=$NO_SPMM8' 'no_merge=$NO_MERGE' 'off=$NO_MERGE;$NO_ROPE' -- --models Llama-3.1-8B --patterns 2:4 --batch_sizes 4,8 --profile"
