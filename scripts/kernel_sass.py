@@ -172,9 +172,20 @@ def main():
     p.add_argument("--revision", help="compile sparse/kernels.py as of this git revision instead")
     p.add_argument("--sass_out", type=Path, help="write each config's SASS into this folder")
     p.add_argument("--attention", action="store_true", help="decode_attention's partial kernel instead")
+    p.add_argument("--spmm", action="store_true", help="the tensor-core SpMM's K loop (2:4 by nibble, and by gather)")
     p.add_argument("--stages", type=int, nargs="*", default=[1],
-                   help="with --attention: the block loop's pipeline stages (decode_attention.PIPELINE_STAGES)")
+                   help="with --attention: the block loop's pipeline stages (decode_attention.PIPELINE_STAGES); "
+                        "with --spmm: the K loop's (1: pipelined by hand; spmm.DECODE_STAGES)")
     args = p.parse_args()
+    if args.spmm:
+        for two_of_four in (True, False):
+            for stages in args.stages:
+                r = compile_spmm(two_of_four, stages=stages)
+                print(f"{'2:4 by nibble' if two_of_four else 'by gather':13} stages {stages}: {r['registers']} registers, "
+                      f"{r['spill_bytes']} B spilled, {r['shared_bytes']} B shared, loop {r['loop']} "
+                      f"({r['per_kept_weight']:.2f} a kept weight), LDG {r['mix'].get('LDG', 0)}, "
+                      f"LDGSTS {r['mix'].get('LDGSTS', 0)}")
+        return
     if args.attention:
         for rope_and_write in (False, True):
             for merge in (False, True):
