@@ -18,7 +18,9 @@ arrival on an atomic counter after storing its partials, as the SpMV's split-K e
 
 `decode_attention_with_cache_write` is the same attention taking q and the new token's k and v as
 the qkv projection left them: it rotates q and k by RoPE itself and writes k and v into the cache
-(the program whose split holds the new slot writes it, then reads it back like any slot). In
+(the program whose split holds the new slot writes it, then reads it back like any slot), looking
+up its cos/sin row in the model's tables and keeping the row's window of slots (left padding to
+the new token) without a mask. In
 the 2:4 model this replaces ~4 Inductor kernels a layer (RoPE of q and k, the cache writes: 137 µs
 a Llama-3.1-8B step at batch 1, docs/BENCHMARKS.md session 8), which cannot fuse into the SpMV
 custom op; the dense model's GEMV had them fused already. `model.py` uses it when
