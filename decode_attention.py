@@ -192,8 +192,11 @@ def _partial_attention_kernel(q_ptr, k_ptr, v_ptr, keep_ptr, acc_ptr, stats_ptr,
     total = tl.zeros([GROUP], tl.float32)
     acc = tl.zeros([GROUP, HEAD_DIM], tl.float32)
     if STAGES > 1:
-        stop = tl.minimum(last, last_kept + 1)  # in a decode step no slot after the new token's is kept
-        for start in tl.range(first, stop, BLOCK, num_stages=STAGES):
+        # In a decode step no slot before the row's padding or after the new token's is kept: the
+        # loop (which has no branch around empty blocks) walks only the blocks that hold the window.
+        begin = tl.maximum(first, first_kept // BLOCK * BLOCK)
+        stop = tl.minimum(last, last_kept + 1)
+        for start in tl.range(begin, stop, BLOCK, num_stages=STAGES):
             slots = start + tl.arange(0, BLOCK)
             keep = _kept_slots(keep_ptr + b * keep_stride_b, slots, stop, first_kept, last_kept, ROPE_AND_WRITE)
             offsets = kv_base + slots[:, None] * kv_stride_s + dims[None, :]
