@@ -202,7 +202,7 @@ def _partial_attention_kernel(q_ptr, k_ptr, v_ptr, keep_ptr, acc_ptr, stats_ptr,
             offsets = kv_base + slots[:, None] * kv_stride_s + dims[None, :]
             max_score, total, acc = _attend_block(q, k_ptr, v_ptr, offsets, keep, max_score, total, acc, scale,
                                                   V_WITH_K, True, IEEE, INTERPRETER_SAFE)
-    else:
+    else:  # begin/stop here too made this loop 527 -> 548 instructions, 136 -> 148 registers (sm_90a)
         for start in range(first, last, BLOCK):
             slots = start + tl.arange(0, BLOCK)
             keep = _kept_slots(keep_ptr + b * keep_stride_b, slots, last, first_kept, last_kept, ROPE_AND_WRITE)

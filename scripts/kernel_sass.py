@@ -126,7 +126,7 @@ def compile_spmm(two_of_four: bool, block_out: int = 128, words: int = 2, num_wa
                      TWO_OF_FOUR=two_of_four, PREFETCH_PAIRS=two_of_four and prefetch_pairs, INTERPRETER_SAFE=False,
                      STAGES=stages)
     sass, registers, spill_bytes, shared = compile_for_sm90a(spmm._spmm_kernel, pointers, constants, num_warps,
-                                                     divisible_by_16=[*pointers, "n_rows", "n_words"])
+                                                             divisible_by_16=[*pointers, "n_rows", "n_words"])
     loop = [op.split(".")[0] for op, _ in innermost_loop(sass, marker="HGMMA")]
     kept_per_thread = words * 16 * block_out / (32 * num_warps)
     mix = {op: loop.count(op) for op in sorted(set(loop), key=loop.count, reverse=True)}

@@ -255,8 +255,9 @@ def _spmm_kernel(x_ptr, values_ptr, mask_ptr, y_ptr, workspace_ptr, arrivals_ptr
         # to shared memory asynchronously, STAGES - 1 steps ahead (sm_90a, kernel_sass.compile_spmm:
         # all 7 of the 2:4 loop's loads become LDGSTS). The hand pipeline below has one step of
         # loads in flight and waits on it every trip: Nsight Compute (session 18) put long-scoreboard
-        # stalls first at 8 rows. A gather expansion's value loads depend on the step's own words,
-        # so for the other patterns only the words and x go ahead.
+        # stalls first at 8 rows. A 2:4 step's value pairs are loaded with its words (the prefetch
+        # flag = TWO_OF_FOUR), where the pipeliner can take them; a gather expansion's value loads
+        # depend on the step's own words, so for the other patterns only the words and x go ahead.
         for k in tl.range(k_begin, k_end, WORDS, num_stages=STAGES):
             words, pairs = _load_step(values_ptr, mask_ptr, k, k_end, rows, row_ok, n_rows, CHUNK, WORDS,
                                       TWO_OF_FOUR)
