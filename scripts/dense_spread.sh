@@ -4,8 +4,8 @@
 # batch 1 with --profile in N fresh processes, each with an Inductor cache of its own (so each
 # tunes its GEMV reductions anew, as the first process on a fresh machine does), then once more
 # reusing run 1's cache directory (run 1r). Keeps the configs each cache holds (the *.best_config
-# files coordinate descent leaves there), each with the name of the kernel it tuned, so a pick can
-# be set beside that kernel's time in the profile.
+# files coordinate descent leaves there), each with the name of the kernel it tuned
+# (scripts/inductor_picks.py), so a pick can be set beside that kernel's time in the profile.
 # Run 1r was meant to keep run 1's picks; on 2026-12-04 it tuned anew instead (22 of 29 picks
 # changed; docs/BENCHMARKS.md session 18), so it is one more sample, not a control. The control
 # for "same picks, other speed" is dense_placement.py (one process, weights moved, kernels kept).
@@ -17,29 +17,7 @@ mkdir -p "$OUT"
 dense_run() {  # dense_run LABEL CACHE_DIR
   TORCHINDUCTOR_CACHE_DIR=$2 python3 scripts/bench_decode.py --models Llama-3.1-8B --patterns dense \
     --batch_sizes 1 --profile --out "$OUT/run$1" > "$OUT/run$1.log" 2>&1 || echo "run $1: exit $?"
-  python3 - "$2" > "$OUT/best_configs_$1.txt" <<'PY'
-import json, pathlib, re, sys
-# One line per tuned kernel: its cache key (a hash of the kernel's source, the same in every
-# process) and the config picked, without the fields that differ even for the same pick.
-# The kernel's name (as the profile shows it) is the def in the kernel's source file. The config
-# file is not named after that file but after a hash of its name and torch's own key (Inductor's
-# AutotuneCache; 2026-12-04 the "same stem" guess named none), so ask Inductor for each source
-# file's config path; "?" if this torch lays its cache out otherwise.
-from torch._inductor.runtime.autotune_cache import AutotuneCache
-name_of_config = {}
-for source in pathlib.Path(sys.argv[1]).rglob("*.py"):
-    names = re.findall(r"^def (triton_\w+)\(", source.read_text(errors="replace"), re.M)
-    try:
-        key = AutotuneCache._make_local_cache_key(str(source.parent), AutotuneCache._prepare_key(str(source)))
-    except Exception:  # a private API: a changed signature costs the names, not the run
-        continue
-    if names:
-        name_of_config[key] = names[0]
-for path in sorted(pathlib.Path(sys.argv[1]).rglob("*.best_config")):
-    picked = {k: v for k, v in json.loads(path.read_text()).items()
-              if k not in ("time_taken_ms", "triton_cache_hash", "configs_hash")}
-    print(path.name, name_of_config.get(str(path), "?"), json.dumps(picked, sort_keys=True))
-PY
+  python3 scripts/inductor_picks.py "$2" > "$OUT/best_configs_$1.txt"
   echo "run $1: $(grep -ho 'median_step_ms[^,]*' "$OUT/run$1"/*.json 2>/dev/null) $(wc -l < "$OUT/best_configs_$1.txt") tuned kernels"
 }
 
