@@ -16,7 +16,7 @@ arrival on an atomic counter after storing its partials, as the SpMV's split-K e
 (sparse/kernels.py). That saves a launch a layer: the merge kernel was 2.4 µs of very little work
 (74-78 µs of a Llama-3.1-8B step, docs/BENCHMARKS.md session 5).
 
-`decode_attention_with_cache_write` is the same attention taking q and the new token's k and v as
+`decode_attention_with_cache_write` is the same attention taking the new token's q, k and v as
 the qkv projection left them: it rotates q and k by RoPE itself and writes k and v into the cache
 (the program whose split holds the new slot writes it, then reads it back like any slot), looking
 up its cos/sin row in the model's tables and keeping the row's window of slots (left padding to
@@ -31,6 +31,7 @@ The same source runs under TRITON_INTERPRET=1 on CPU (tests/test_decode_attentio
 everything else goes to SDPA.
 """
 import os
+from typing import Optional
 
 import torch
 import triton
@@ -378,26 +379,48 @@ def _(q: Tensor, k_cache: Tensor, v_cache: Tensor, keep: Tensor) -> Tensor:
 
 
 @torch.library.custom_op("sparse_decoding::decode_attention_with_cache_write", mutates_args=("k_cache", "v_cache"))
-def decode_attention_with_cache_write(q: Tensor, new_k: Tensor, new_v: Tensor, rope_cos: Tensor, rope_sin: Tensor,
-                                      left_pad: Tensor, write_slot: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
-    """decode_attention for q and the new token's k, v before RoPE and before the cache write.
+def decode_attention_with_cache_write(q: Tensor, new_k: Optional[Tensor], new_v: Optional[Tensor], rope_cos: Tensor,
+                                      rope_sin: Tensor, left_pad: Tensor, write_slot: Tensor, k_cache: Tensor,
+                                      v_cache: Tensor) -> Tensor:
+    """decode_attention for the new token's q, k and v before RoPE and before the cache write.
 
-    q [B, H, D] and new_k, new_v [B, H_kv, D] (unit stride along D; views into the qkv output do);
-    rope_cos, rope_sin [>= S, D]: the RoPE tables by position (model.rope_cos/rope_sin, rotate-half
-    layout, model.precompute_rope); left_pad [>= B] integers: row b's prompt starts at slot
-    left_pad[b] (model.left_pad); write_slot: a one-element integer tensor, the cache slot of the new
-    token (model: input_pos). Row b's token sits at position write_slot - left_pad[b] and attends
-    slots left_pad[b] .. write_slot, as the model's causal and padding mask does.
+    q [B, H, D] and new_k, new_v [B, H_kv, D] (unit stride along D); or new_k = new_v = None and
+    q [B, H + 2 H_kv, D] holding all three: the H query heads, then the H_kv key heads, then the
+    H_kv value heads (the qkv projection's output viewed by head), H_kv = k_cache.shape[1].
+    rope_cos, rope_sin [>= S, D]: the RoPE tables by position (model.rope_cos/rope_sin,
+    rotate-half layout, model.precompute_rope); left_pad [>= B] integers: row b's prompt starts
+    at slot left_pad[b] (model.left_pad); write_slot: a one-element integer tensor, the cache slot
+    of the new token (model: input_pos). Row b's token sits at position write_slot - left_pad[b]
+    and attends slots left_pad[b] .. write_slot, as the model's causal and padding mask does.
     k_cache, v_cache [B_max >= B, H_kv, S, D] whole buffers: row b < B gets the rotated new k and
-    the new v at write_slot; nothing else in them changes. Returns the attention as decode_attention.
+    the new v at write_slot; nothing else in them changes. Returns the attention [B, H, D] as
+    decode_attention.
 
-    The kernel indexes the model's whole buffers itself: per-step rows (cos/sin at the position,
-    the mask's row) given to a custom op get copied into a fresh buffer for each layer's call by
-    Inductor (BENCHMARKS session 19).
+    The op takes whole tensors the model already holds, never rows or slices made in the step:
+    Inductor gives a custom op a fresh copy of each such input, every layer. The per-step rows of
+    cos/sin and of the mask cost 16 launches a 2:4 Llama-3.1-8B step (the kernel now looks them
+    up), and q, k and v as three slices of the dense GEMV's output 96 launches a dense step at
+    batch 1 (~100 µs: that GEMV sums in fp32 and its cast to bf16 was made once per slice;
+    BENCHMARKS session 20), hence the one-tensor form. Whole, the cast can fuse into the GEMV.
     """
+    q, new_k, new_v = split_heads(q, new_k, new_v, k_cache)
     return _attend(q, k_cache, v_cache, None, new_k, new_v, rope_cos, rope_sin, left_pad, write_slot)
+
+
+def split_heads(q: Tensor, new_k: Optional[Tensor], new_v: Optional[Tensor], k_cache: Tensor):
+    """(q, new_k, new_v) as given, or, given new_k = new_v = None, views of q's heads split into
+    [B, H, D], [B, H_kv, D], [B, H_kv, D] (H_kv = k_cache.shape[1])."""
+    if new_k is not None and new_v is not None:
+        return q, new_k, new_v
+    n_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[3]
+    n_heads = q.shape[1] - 2 * n_kv_heads
+    if new_k is not None or new_v is not None or q.dim() != 3 or q.shape[2] != head_dim or n_heads < n_kv_heads:
+        raise ValueError(f"decode_attention: q {tuple(q.shape)} without new k and v is not [batch, query heads + "
+                         f"2 x {n_kv_heads} KV heads, {head_dim}] for a cache of {n_kv_heads} KV heads of {head_dim}")
+    return q[:, :n_heads], q[:, n_heads:n_heads + n_kv_heads], q[:, n_heads + n_kv_heads:]
 
 
 @decode_attention_with_cache_write.register_fake
 def _(q, new_k, new_v, rope_cos, rope_sin, left_pad, write_slot, k_cache, v_cache) -> Tensor:
-    return torch.empty_like(q)
+    q = split_heads(q, new_k, new_v, k_cache)[0]
+    return q.new_empty(q.shape)  # contiguous, as _attend's out

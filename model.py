@@ -225,7 +225,8 @@ class Attention(nn.Module):
         (rope_cos, rope_sin, left_pad), for the decode step's fused kernel (None: not used)."""
         B, T, _ = x.shape
         kv_size = self.n_local_heads * self.head_dim
-        q, k, v = project(self.wqkv, x, norm=norm).split([self.n_head * self.head_dim, kv_size, kv_size], dim=-1)
+        qkv = project(self.wqkv, x, norm=norm)
+        q, k, v = qkv.split([self.n_head * self.head_dim, kv_size, kv_size], dim=-1)
         q = q.view(B, T, self.n_head, self.head_dim)
         k = k.view(B, T, self.n_local_heads, self.head_dim)
         v = v.view(B, T, self.n_local_heads, self.head_dim)
@@ -234,10 +235,12 @@ class Attention(nn.Module):
         # A decode step on the GPU goes to flash-decoding kernels (decode_attention.py says why not SDPA).
         decode_kernels = T == 1 and self.kv_cache is not None and decode_attention.handles(q)
         if decode_kernels and decode_attention.FUSE_ROPE_AND_CACHE_WRITE and decode_buffers is not None:
-            # RoPE, the cache write and the causal/padding window inside the kernel
+            # RoPE, the cache write and the causal/padding window inside the kernel. Without a
+            # q/k norm the heads go as the projection's output whole (the op's docstring says why).
+            heads = (qkv.view(B, -1, self.head_dim), None, None) if self.q_norm is None else (q[:, 0], k[:, 0], v[:, 0])
             cache = self.kv_cache
-            y = decode_attention.decode_attention_with_cache_write(
-                q[:, 0], k[:, 0], v[:, 0], *decode_buffers, input_pos, cache.k_cache, cache.v_cache)
+            y = decode_attention.decode_attention_with_cache_write(*heads, *decode_buffers, input_pos, cache.k_cache,
+                                                                   cache.v_cache)
             y = y.unsqueeze(2)
         else:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
