@@ -218,6 +218,7 @@ def bench_model(name: str, sparse_patterns: list, remaining, args, rows: list):
             else:
                 row["spmv_configs"] = tuned_spmv_configs(batch_size)
                 row["spmm_configs"] = tuned_spmm_configs(batch_size)
+                row["spmm_fastest_by_stages"] = spmm_fastest_by_stages(batch_size)
             rows.append(row)
             print(json.dumps(row), flush=True)
     free(model)
@@ -238,6 +239,22 @@ def tuned_spmm_configs(batch_size: int) -> dict:
     return {f"{n_rows}x{32 * n_words}{' 2:4' if two_of_four else ''}{' prefetched' if prefetched else ''}": list(config)
             for (n_rows, n_words, tokens, _, _, two_of_four, prefetched), config in spmm._tuned_configs.items()
             if tokens == batch_size}
+
+
+def spmm_fastest_by_stages(batch_size: int) -> dict:
+    """For each SpMM shape tuned at this batch size: the fastest candidate's µs a call for each
+    K-loop depth (stages 1: the hand loop; more: Triton's pipeline), as the tuner timed them, so
+    a pick can be set beside how far the other loop was behind."""
+    from sparse import spmm
+    fastest = {}
+    for (n_rows, n_words, tokens, _, _, two_of_four, _), times in spmm.candidate_times.items():
+        if tokens != batch_size:
+            continue
+        by_stages = fastest.setdefault(f"{n_rows}x{32 * n_words}{' 2:4' if two_of_four else ''}", {})
+        for config, us in times.items():
+            stages = config[-1]
+            by_stages[stages] = round(min(by_stages.get(stages, float("inf")), us), 2)
+    return fastest
 
 
 def bench_gptfast(name: str, dense_step_s: dict, remaining, args, rows: list):

@@ -546,14 +546,17 @@ def spmv_config(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, pack_
     return _tuned_configs[key]
 
 
-def fastest_in_cuda_graph(configs, values: torch.Tensor, mask: torch.Tensor, run):
+def fastest_in_cuda_graph(configs, values: torch.Tensor, mask: torch.Tensor, run, timings_out: dict = None):
     """The config c of `configs` for which run(c, values, mask) is fastest, each timed in a CUDA
     graph rotating over copies of the packed weight that together exceed the L2 three times (so
-    they stream from DRAM, as in a decode step). The SpMV's and the SpMM's tuners both use it."""
+    they stream from DRAM, as in a decode step). The SpMV's and the SpMM's tuners both use it.
+    timings_out, if given, receives {config: µs a call} for every candidate."""
     nbytes = values.numel() * values.element_size() + mask.numel() * 4
     copies = [(values, mask)] + [(values.clone(), mask.clone()) for _ in range(copies_for(nbytes) - 1)]
     timings = [time_in_cuda_graph([lambda v=v, m=m, c=c: run(c, v, m) for v, m in copies], target_ms=1.0, replays=9)
                for c in configs]
+    if timings_out is not None:
+        timings_out.update(zip(configs, timings))
     return configs[timings.index(min(timings))]
 
 

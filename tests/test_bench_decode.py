@@ -87,3 +87,14 @@ def test_the_tuned_spmm_configs_of_one_batch_size_are_reported(monkeypatch):
     assert bench_decode.tuned_spmm_configs(8) == {"28672x4096 2:4 prefetched": [128, 16, 2, 4, 8],
                                                   "4096x14336": [256, 16, 1, 8, 14]}
     assert bench_decode.tuned_spmm_configs(4) == {}
+
+
+def test_the_spmm_candidates_fastest_time_is_reported_for_each_k_loop_depth(monkeypatch):
+    import torch
+    from sparse import spmm
+    key = (28672, 128, 8, torch.bfloat16, torch.device("cuda:0"), True, False)
+    times = {(128, 16, 1, 4, 10, 1): 31.24, (256, 16, 1, 8, 10, 1): 30.117, (128, 16, 1, 4, 10, 3): 33.9,
+             (256, 16, 1, 8, 10, 3): 32.5}
+    monkeypatch.setattr(spmm, "candidate_times", {key: times, (*key[:2], 16, *key[3:]): {(1,) * 6: 1.0}})
+    assert bench_decode.spmm_fastest_by_stages(8) == {"28672x4096 2:4": {1: 30.12, 3: 32.5}}
+    assert bench_decode.spmm_fastest_by_stages(4) == {}
