@@ -17,10 +17,10 @@ arrival on an atomic counter after storing its partials, as the SpMV's split-K e
 (74-78 µs of a Llama-3.1-8B step, docs/BENCHMARKS.md session 5).
 
 `decode_attention_with_cache_write` is the same attention taking the new token's q, k and v as
-the qkv projection left them: it rotates q and k by RoPE itself and writes k and v into the cache
-(the program whose split holds the new slot writes it, then reads it back like any slot), looking
-up its cos/sin row in the model's tables and keeping the row's window of slots (left padding to
-the new token) without a mask. In
+the qkv projection left them (one tensor): it rotates q and k by RoPE itself (after Qwen3's q/k
+norms, given their weights) and writes k and v into the cache (the program whose split holds the
+new slot writes it, then reads it back like any slot), looking up its cos/sin row in the model's
+tables and keeping the row's window of slots (left padding to the new token) without a mask. In
 the 2:4 model this replaces ~4 Inductor kernels a layer (RoPE of q and k, the cache writes: 137 µs
 a Llama-3.1-8B step at batch 1, docs/BENCHMARKS.md session 8), which cannot fuse into the SpMV
 custom op; the dense model's GEMV had them fused already. `model.py` uses it when
@@ -83,13 +83,24 @@ def _dot(a, b, IEEE: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
 
 
 @triton.jit
-def _load_rotated(ptr, row_offsets, row_ok, cos, sin, HEAD_DIM: tl.constexpr):
+def _load_rotated(ptr, row_offsets, row_ok, cos, sin, norm_ptr, norm_eps, HEAD_DIM: tl.constexpr,
+                  NORM: tl.constexpr):
     """Rows ptr + row_offsets (HEAD_DIM each) turned by RoPE in the rotate-half layout, in fp32
-    and rounded back to their dtype, as model.apply_rope does: x * cos + rotate_half(x) * sin."""
+    and rounded back to their dtype, as model.apply_rope does: x * cos + rotate_half(x) * sin.
+    With NORM, each row first goes through model.RMSNorm with weight norm_ptr (Qwen3's q/k norm),
+    rounded as it rounds: x * rsqrt(mean(x²) + eps) to x's dtype, times the weight to x's dtype."""
     dims = tl.arange(0, HEAD_DIM)
+    partner_dims = (dims + HEAD_DIM // 2) % HEAD_DIM
     x = tl.load(ptr + row_offsets[:, None] + dims[None, :], mask=row_ok[:, None], other=0.0)
-    partner = tl.load(ptr + row_offsets[:, None] + ((dims + HEAD_DIM // 2) % HEAD_DIM)[None, :],
-                      mask=row_ok[:, None], other=0.0).to(tl.float32)
+    partner = tl.load(ptr + row_offsets[:, None] + partner_dims[None, :], mask=row_ok[:, None], other=0.0)
+    if NORM:
+        x_f32 = x.to(tl.float32)
+        inv_rms = tl.rsqrt(tl.sum(x_f32 * x_f32, axis=1) / HEAD_DIM + norm_eps)[:, None]
+        weight = tl.load(norm_ptr + dims).to(tl.float32)[None, :]
+        partner_weight = tl.load(norm_ptr + partner_dims).to(tl.float32)[None, :]
+        partner = ((partner.to(tl.float32) * inv_rms).to(x.dtype).to(tl.float32) * partner_weight).to(x.dtype)
+        x = ((x_f32 * inv_rms).to(x.dtype).to(tl.float32) * weight).to(x.dtype)
+    partner = partner.to(tl.float32)
     rotated = tl.where(dims[None, :] < HEAD_DIM // 2, -partner, partner)
     return (x.to(tl.float32) * cos[None, :] + rotated * sin[None, :]).to(x.dtype)
 
@@ -130,12 +141,13 @@ def _attend_block(q, k_ptr, v_ptr, offsets, keep, max_score, total, acc, scale, 
 @triton.jit
 def _partial_attention_kernel(q_ptr, k_ptr, v_ptr, keep_ptr, acc_ptr, stats_ptr, out_ptr, arrivals_ptr,
                               new_k_ptr, new_v_ptr, cos_ptr, sin_ptr, left_pad_ptr, write_slot_ptr,
-                              n_kv_heads, n_slots, slots_per_split, scale,
+                              q_norm_ptr, k_norm_ptr, norm_eps, n_kv_heads, n_slots, slots_per_split, scale,
                               q_stride_b, q_stride_h, kv_stride_b, kv_stride_h, kv_stride_s, keep_stride_b,
                               new_k_stride_b, new_k_stride_h, new_v_stride_b, new_v_stride_h, rope_stride_s,
                               GROUP_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                              BLOCK: tl.constexpr, ROPE_AND_WRITE: tl.constexpr, MERGE: tl.constexpr,
-                              MERGE_HEADS: tl.constexpr, SPLITS: tl.constexpr, MERGE_CHUNK: tl.constexpr,
+                              BLOCK: tl.constexpr, ROPE_AND_WRITE: tl.constexpr, QK_NORM: tl.constexpr,
+                              MERGE: tl.constexpr, MERGE_HEADS: tl.constexpr, SPLITS: tl.constexpr,
+                              MERGE_CHUNK: tl.constexpr,
                               V_WITH_K: tl.constexpr, STAGES: tl.constexpr, IEEE: tl.constexpr,
                               INTERPRETER_SAFE: tl.constexpr):
     """Partial attention of the GROUP_SIZE query heads of one KV head over one split of the slots.
@@ -146,7 +158,8 @@ def _partial_attention_kernel(q_ptr, k_ptr, v_ptr, keep_ptr, acc_ptr, stats_ptr,
     left_pad_ptr[b] to the new token's slot *write_slot_ptr. With ROPE_AND_WRITE, q and the new k
     (new_k_ptr, new_v_ptr: [B, H_kv, D]) arrive unrotated and are rotated with the cos/sin tables'
     row at the token's position (its slot less the padding), and the split that holds slot
-    *write_slot_ptr stores the new k and v there.
+    *write_slot_ptr stores the new k and v there. With QK_NORM as well, q and the new k first go
+    through RMSNorm over each head (weights q_norm_ptr, k_norm_ptr [D]), as Qwen3's do.
     With MERGE, the last of the row's and KV head's programs to finish merges the splits into out
     (arrivals_ptr: one zeroed int32 per row and KV head, left zeroed)."""
     batch_head = tl.program_id(0)
@@ -172,10 +185,10 @@ def _partial_attention_kernel(q_ptr, k_ptr, v_ptr, keep_ptr, acc_ptr, stats_ptr,
         cos = tl.load(cos_ptr + position * rope_stride_s + dims)
         sin = tl.load(sin_ptr + position * rope_stride_s + dims)
         q = _load_rotated(q_ptr + b * q_stride_b, (kv_head * GROUP_SIZE + rows) * q_stride_h, row_ok, cos, sin,
-                          HEAD_DIM)
+                          q_norm_ptr, norm_eps, HEAD_DIM, QK_NORM)
         one_row = tl.arange(0, 1)
         new_k = _load_rotated(new_k_ptr + b * new_k_stride_b + kv_head * new_k_stride_h, one_row, one_row == 0, cos,
-                              sin, HEAD_DIM)  # [1, D]
+                              sin, k_norm_ptr, norm_eps, HEAD_DIM, QK_NORM)  # [1, D]
         new_v = tl.load(new_v_ptr + b * new_v_stride_b + kv_head * new_v_stride_h + one_row[:, None] + dims[None, :])
         if (first <= write_slot) & (write_slot < last):  # one program per (row, KV head) writes
             slot_offsets = kv_base + write_slot * kv_stride_s + dims[None, :]
@@ -312,10 +325,11 @@ def handles(q: Tensor) -> bool:
 
 
 def _attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, keep=None, new_k=None, new_v=None, rope_cos=None,
-            rope_sin=None, left_pad=None, write_slot=None) -> Tensor:
+            rope_sin=None, left_pad=None, write_slot=None, q_norm=None, k_norm=None, norm_eps=0.0) -> Tensor:
     """The kernels for q [B, H, D] over the first B rows of the caches, attending keep's slots; or,
     given new_k .. write_slot instead (all of them), a decode step: RoPE and the cache write in the
-    partial kernel, and each row's window of slots (decode_attention_with_cache_write)."""
+    partial kernel, and each row's window of slots (decode_attention_with_cache_write); q_norm and
+    k_norm [D] (both or neither): RMSNorm weights for q's and the new k's heads before RoPE."""
     batch, n_heads, head_dim = q.shape
     _, n_kv_heads, n_slots, _ = k_cache.shape
     group_size = n_heads // n_kv_heads
@@ -335,9 +349,17 @@ def _attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, keep=None, new_k=None, 
                              f"cover {n_slots} positions of {head_dim}")
         if left_pad.dim() != 1 or left_pad.numel() < batch or left_pad.is_floating_point():
             raise ValueError(f"decode_attention: left_pad {tuple(left_pad.shape)} does not hold {batch} rows' padding")
+        if (q_norm is None) != (k_norm is None) or any(
+                w is not None and (w.shape != (head_dim,) or w.stride(0) != 1 or w.dtype != q.dtype)
+                for w in (q_norm, k_norm)):
+            raise ValueError(f"decode_attention: q/k norm weights {None if q_norm is None else tuple(q_norm.shape)} / "
+                             f"{None if k_norm is None else tuple(k_norm.shape)} are not both [{head_dim}] in {q.dtype}")
         keep = q  # unused pointer: the window replaces the mask
     else:
         new_k = new_v = rope_cos = rope_sin = left_pad = write_slot = q  # unused pointers: compiled out
+    qk_norm = q_norm is not None
+    if not qk_norm:
+        q_norm = k_norm = q  # unused pointers: compiled out
     splits = max(1, min(triton.cdiv(PROGRAMS_TARGET, batch * n_kv_heads), triton.cdiv(n_slots, BLOCK_SLOTS)))
     slots_per_split = triton.cdiv(triton.cdiv(n_slots, splits), BLOCK_SLOTS) * BLOCK_SLOTS
     splits = triton.cdiv(n_slots, slots_per_split)
@@ -350,13 +372,13 @@ def _attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, keep=None, new_k=None, 
     merge_heads, split_tile, merge_chunk = merge_tiling(group_size, splits, merge)
     _partial_attention_kernel[(batch * n_kv_heads, splits)](
         q, k_cache, v_cache, keep, acc, stats, out, arrivals, new_k, new_v, rope_cos, rope_sin, left_pad, write_slot,
-        n_kv_heads, n_slots, slots_per_split, head_dim ** -0.5,
+        q_norm, k_norm, norm_eps, n_kv_heads, n_slots, slots_per_split, head_dim ** -0.5,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), keep.stride(0),
         new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1), rope_cos.stride(0),
         GROUP_SIZE=group_size, GROUP=max(16, triton.next_power_of_2(group_size)), HEAD_DIM=head_dim,
-        BLOCK=BLOCK_SLOTS, ROPE_AND_WRITE=rope_and_write, MERGE=merge, MERGE_HEADS=merge_heads, SPLITS=split_tile,
-        MERGE_CHUNK=merge_chunk, V_WITH_K=LOAD_V_WITH_K, STAGES=stages, IEEE=q.dtype == torch.float32,
-        INTERPRETER_SAFE=INTERPRETING)
+        BLOCK=BLOCK_SLOTS, ROPE_AND_WRITE=rope_and_write, QK_NORM=qk_norm, MERGE=merge, MERGE_HEADS=merge_heads,
+        SPLITS=split_tile, MERGE_CHUNK=merge_chunk, V_WITH_K=LOAD_V_WITH_K, STAGES=stages,
+        IEEE=q.dtype == torch.float32, INTERPRETER_SAFE=INTERPRETING)
     if not merge:
         _merge_splits_kernel[(batch * n_heads,)](acc, stats, out, splits, SPLITS=split_tile, CHUNK=merge_chunk,
                                                  HEAD_DIM=head_dim)
@@ -379,48 +401,50 @@ def _(q: Tensor, k_cache: Tensor, v_cache: Tensor, keep: Tensor) -> Tensor:
 
 
 @torch.library.custom_op("sparse_decoding::decode_attention_with_cache_write", mutates_args=("k_cache", "v_cache"))
-def decode_attention_with_cache_write(q: Tensor, new_k: Optional[Tensor], new_v: Optional[Tensor], rope_cos: Tensor,
-                                      rope_sin: Tensor, left_pad: Tensor, write_slot: Tensor, k_cache: Tensor,
-                                      v_cache: Tensor) -> Tensor:
+def decode_attention_with_cache_write(qkv: Tensor, rope_cos: Tensor, rope_sin: Tensor, left_pad: Tensor,
+                                      write_slot: Tensor, k_cache: Tensor, v_cache: Tensor,
+                                      q_norm_weight: Optional[Tensor] = None, k_norm_weight: Optional[Tensor] = None,
+                                      norm_eps: float = 0.0) -> Tensor:
     """decode_attention for the new token's q, k and v before RoPE and before the cache write.
 
-    q [B, H, D] and new_k, new_v [B, H_kv, D] (unit stride along D); or new_k = new_v = None and
-    q [B, H + 2 H_kv, D] holding all three: the H query heads, then the H_kv key heads, then the
-    H_kv value heads (the qkv projection's output viewed by head), H_kv = k_cache.shape[1].
-    rope_cos, rope_sin [>= S, D]: the RoPE tables by position (model.rope_cos/rope_sin,
-    rotate-half layout, model.precompute_rope); left_pad [>= B] integers: row b's prompt starts
-    at slot left_pad[b] (model.left_pad); write_slot: a one-element integer tensor, the cache slot
-    of the new token (model: input_pos). Row b's token sits at position write_slot - left_pad[b]
-    and attends slots left_pad[b] .. write_slot, as the model's causal and padding mask does.
-    k_cache, v_cache [B_max >= B, H_kv, S, D] whole buffers: row b < B gets the rotated new k and
-    the new v at write_slot; nothing else in them changes. Returns the attention [B, H, D] as
-    decode_attention.
+    qkv [B, H + 2 H_kv, D]: the new token's H query heads, then its H_kv key heads, then its H_kv
+    value heads (the qkv projection's output viewed by head; unit stride along D), H_kv =
+    k_cache.shape[1]. rope_cos, rope_sin [>= S, D]: the RoPE tables by position
+    (model.rope_cos/rope_sin, rotate-half layout, model.precompute_rope); left_pad [>= B]
+    integers: row b's prompt starts at slot left_pad[b] (model.left_pad); write_slot: a
+    one-element integer tensor, the cache slot of the new token (model: input_pos). Row b's token
+    sits at position write_slot - left_pad[b] and attends slots left_pad[b] .. write_slot, as the
+    model's causal and padding mask does. k_cache, v_cache [B_max >= B, H_kv, S, D] whole
+    buffers: row b < B gets the rotated new k and the new v at write_slot; nothing else in them
+    changes. q_norm_weight, k_norm_weight [D] (both or neither; qkv's dtype) and norm_eps: Qwen3's
+    RMSNorm of each q and k head before RoPE (model.RMSNorm), done here too. Returns the attention
+    [B, H, D] as decode_attention.
 
     The op takes whole tensors the model already holds, never rows or slices made in the step:
     Inductor gives a custom op a fresh copy of each such input, every layer. The per-step rows of
     cos/sin and of the mask cost 16 launches a 2:4 Llama-3.1-8B step (the kernel now looks them
     up), and q, k and v as three slices of the dense GEMV's output 96 launches a dense step at
     batch 1 (~100 µs: that GEMV sums in fp32 and its cast to bf16 was made once per slice;
-    BENCHMARKS session 20), hence the one-tensor form. Whole, the cast can fuse into the GEMV.
+    BENCHMARKS session 20). Whole, the cast can fuse into the GEMV; Qwen3's q/k norms inside
+    spare their two launches a layer and keep qkv whole.
     """
-    q, new_k, new_v = split_heads(q, new_k, new_v, k_cache)
-    return _attend(q, k_cache, v_cache, None, new_k, new_v, rope_cos, rope_sin, left_pad, write_slot)
+    q, new_k, new_v = split_heads(qkv, k_cache)
+    return _attend(q, k_cache, v_cache, None, new_k, new_v, rope_cos, rope_sin, left_pad, write_slot, q_norm_weight,
+                   k_norm_weight, norm_eps)
 
 
-def split_heads(q: Tensor, new_k: Optional[Tensor], new_v: Optional[Tensor], k_cache: Tensor):
-    """(q, new_k, new_v) as given, or, given new_k = new_v = None, views of q's heads split into
-    [B, H, D], [B, H_kv, D], [B, H_kv, D] (H_kv = k_cache.shape[1])."""
-    if new_k is not None and new_v is not None:
-        return q, new_k, new_v
+def split_heads(qkv: Tensor, k_cache: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """q [B, H, D], k and v [B, H_kv, D]: views into qkv [B, H + 2 H_kv, D], H_kv = k_cache.shape[1]."""
     n_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[3]
-    n_heads = q.shape[1] - 2 * n_kv_heads
-    if new_k is not None or new_v is not None or q.dim() != 3 or q.shape[2] != head_dim or n_heads < n_kv_heads:
-        raise ValueError(f"decode_attention: q {tuple(q.shape)} without new k and v is not [batch, query heads + "
-                         f"2 x {n_kv_heads} KV heads, {head_dim}] for a cache of {n_kv_heads} KV heads of {head_dim}")
-    return q[:, :n_heads], q[:, n_heads:n_heads + n_kv_heads], q[:, n_heads + n_kv_heads:]
+    n_heads = qkv.shape[1] - 2 * n_kv_heads
+    if qkv.dim() != 3 or qkv.shape[2] != head_dim or n_heads < n_kv_heads:
+        raise ValueError(f"decode_attention: qkv {tuple(qkv.shape)} is not [batch, query heads + 2 x {n_kv_heads} KV "
+                         f"heads, {head_dim}] for a cache of {n_kv_heads} KV heads of {head_dim}")
+    return qkv[:, :n_heads], qkv[:, n_heads:n_heads + n_kv_heads], qkv[:, n_heads + n_kv_heads:]
 
 
 @decode_attention_with_cache_write.register_fake
-def _(q, new_k, new_v, rope_cos, rope_sin, left_pad, write_slot, k_cache, v_cache) -> Tensor:
-    q = split_heads(q, new_k, new_v, k_cache)[0]
+def _(qkv, rope_cos, rope_sin, left_pad, write_slot, k_cache, v_cache, q_norm_weight=None, k_norm_weight=None,
+      norm_eps=0.0) -> Tensor:
+    q = split_heads(qkv, k_cache)[0]
     return q.new_empty(q.shape)  # contiguous, as _attend's out

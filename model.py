@@ -230,19 +230,19 @@ class Attention(nn.Module):
         q = q.view(B, T, self.n_head, self.head_dim)
         k = k.view(B, T, self.n_local_heads, self.head_dim)
         v = v.view(B, T, self.n_local_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
         # A decode step on the GPU goes to flash-decoding kernels (decode_attention.py says why not SDPA).
         decode_kernels = T == 1 and self.kv_cache is not None and decode_attention.handles(q)
         if decode_kernels and decode_attention.FUSE_ROPE_AND_CACHE_WRITE and decode_buffers is not None:
-            # RoPE, the cache write and the causal/padding window inside the kernel. Without a
-            # q/k norm the heads go as the projection's output whole (the op's docstring says why).
-            heads = (qkv.view(B, -1, self.head_dim), None, None) if self.q_norm is None else (q[:, 0], k[:, 0], v[:, 0])
+            # Qwen3's q/k norms, RoPE, the cache write and the causal/padding window inside the
+            # kernel, which takes the projection's output whole (its docstring says why).
+            norms = () if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
             cache = self.kv_cache
-            y = decode_attention.decode_attention_with_cache_write(*heads, *decode_buffers, input_pos, cache.k_cache,
-                                                                   cache.v_cache)
+            y = decode_attention.decode_attention_with_cache_write(
+                qkv.view(B, -1, self.head_dim), *decode_buffers, input_pos, cache.k_cache, cache.v_cache, *norms)
             y = y.unsqueeze(2)
         else:
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
             if self.kv_cache is not None:  # None: a teacher-forced pass over whole sequences (prune/ replays blocks this way)

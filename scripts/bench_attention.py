@@ -31,27 +31,28 @@ from sparse import kernels  # noqa: E402
 
 def attention_case(batch: int, n_heads: int, n_kv_heads: int, head_dim: int, slots: int, device="cuda",
                    dtype=torch.bfloat16, seed: int = 0, rope_base: float = 500000.0) -> tuple:
-    """One layer's decode-step operands, in decode_attention_with_cache_write's order, with every
-    slot attended (no left padding) and the new token written at the last one."""
+    """One layer's decode-step operands, in decode_attention_with_cache_write's order (the heads
+    q, k, v in one [B, H + 2 H_kv, D] tensor), with every slot attended (no left padding) and the
+    new token written at the last one."""
     generator = torch.Generator(device=device).manual_seed(seed)
     randn = lambda *shape: torch.randn(*shape, generator=generator, device=device, dtype=dtype)  # noqa: E731
     cos, sin = (table.to(device) for table in precompute_rope(slots, head_dim, rope_base))
     left_pad = torch.zeros(batch, dtype=torch.long, device=device)
     write_slot = torch.tensor([slots - 1], device=device)
-    return (randn(batch, n_heads, head_dim), randn(batch, n_kv_heads, head_dim), randn(batch, n_kv_heads, head_dim),
-            cos, sin, left_pad, write_slot, randn(batch, n_kv_heads, slots, head_dim),
-            randn(batch, n_kv_heads, slots, head_dim))
+    return (randn(batch, n_heads + 2 * n_kv_heads, head_dim), cos, sin, left_pad, write_slot,
+            randn(batch, n_kv_heads, slots, head_dim), randn(batch, n_kv_heads, slots, head_dim))
 
 
 def new_token_rope(case: tuple) -> tuple:
     """The cos and sin rows [B, D] the new token is rotated with (position: the last slot)."""
-    q, _, _, cos, sin, _, write_slot, _, _ = case
-    return (table[int(write_slot)].expand(q.shape[0], -1) for table in (cos, sin))
+    qkv, cos, sin, _, write_slot, _, _ = case
+    return (table[int(write_slot)].expand(qkv.shape[0], -1) for table in (cos, sin))
 
 
 def reference_attention(case: tuple) -> torch.Tensor:
     """float32 softmax attention of the RoPE-rotated q over the caches as the kernel left them."""
-    q, _, _, _, _, _, _, k_cache, v_cache = case
+    k_cache, v_cache = case[5:7]
+    q = decode_attention.split_heads(case[0], k_cache)[0]
     n_heads, n_kv_heads = q.shape[1], k_cache.shape[1]
     cos, sin = new_token_rope(case)
     q = apply_rope(q[:, None], cos[:, None], sin[:, None])[:, 0].float()

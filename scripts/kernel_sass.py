@@ -81,18 +81,20 @@ def compile_for_sm90a(kernel, types: dict, constants: dict, num_warps: int, divi
 
 
 def compile_partial_attention(rope_and_write: bool, group_size: int = 4, head_dim: int = 128, merge: bool = False,
-                              splits: int = 32, v_with_k: bool = False, stages: int = 1) -> dict:
+                              splits: int = 32, v_with_k: bool = False, stages: int = 1, qk_norm: bool = False) -> dict:
     """decode_attention's partial kernel for sm_90a (bf16, Llama-3.1-8B's GQA group of 4 by
-    default), with or without RoPE and the cache write, with or without the merge of `splits`
-    splits in the last program, its block loop plain or software-pipelined over `stages`:
-    registers, spills, shared memory, all instructions and the slot loop's."""
+    default), with or without RoPE and the cache write (and Qwen3's q/k norms: qk_norm), with or
+    without the merge of `splits` splits in the last program, its block loop plain or
+    software-pipelined over `stages`: registers, spills, shared memory, all instructions and the
+    slot loop's."""
     sys.path.insert(0, str(ROOT))
     import decode_attention
     types = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", keep_ptr="*i1", acc_ptr="*fp32", stats_ptr="*fp32",
                  new_k_ptr="*bf16", new_v_ptr="*bf16", cos_ptr="*fp32", sin_ptr="*fp32", left_pad_ptr="*i64",
-                 write_slot_ptr="*i64", out_ptr="*bf16", arrivals_ptr="*i32", scale="fp32")
+                 write_slot_ptr="*i64", out_ptr="*bf16", arrivals_ptr="*i32", scale="fp32", q_norm_ptr="*bf16",
+                 k_norm_ptr="*bf16", norm_eps="fp32")
     constants = dict(GROUP_SIZE=group_size, GROUP=max(16, triton.next_power_of_2(group_size)), HEAD_DIM=head_dim,
-                     BLOCK=decode_attention.BLOCK_SLOTS, ROPE_AND_WRITE=rope_and_write, MERGE=merge,
+                     BLOCK=decode_attention.BLOCK_SLOTS, ROPE_AND_WRITE=rope_and_write, QK_NORM=qk_norm, MERGE=merge,
                      V_WITH_K=v_with_k, STAGES=stages, IEEE=False, INTERPRETER_SAFE=False)
     constants.update(zip(("MERGE_HEADS", "SPLITS", "MERGE_CHUNK"), decode_attention.merge_tiling(group_size, splits,
                                                                                                merge)))

@@ -31,8 +31,10 @@ def test_every_benchmarked_setting_matches_the_reference(target, block, merge, v
     assert tuple(getattr(decode_attention, name) for name in bench_attention.SETTINGS) == previous
     assert relative_error(out, bench_attention.reference_attention(case).double()) < 1e-5
     cos, sin = bench_attention.new_token_rope(case)
-    new_k = bench_attention.apply_rope(case[1][:, None], cos[:, None], sin[:, None])[:, 0]
-    assert torch.equal(case[7][:, :, -1], new_k) and torch.equal(case[8][:, :, -1], case[2])  # written at the last slot
+    k_cache, v_cache = case[5:7]
+    _, new_k, new_v = decode_attention.split_heads(case[0], k_cache)
+    rotated_k = bench_attention.apply_rope(new_k[:, None], cos[:, None], sin[:, None])[:, 0]
+    assert torch.equal(k_cache[:, :, -1], rotated_k) and torch.equal(v_cache[:, :, -1], new_v)  # the last slot
 
 
 def test_the_table_shows_the_committed_setting_and_the_fastest():
