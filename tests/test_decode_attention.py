@@ -233,6 +233,8 @@ def test_compiled_decode_step_hands_the_model_buffers_to_the_fused_kernel(gemv_a
     # as three slices of the dense GEMV's output (fp32 sums cast to bf16, as the GPU lowers a
     # one-row product; emulated here) 96 launches a dense step (session 20). Its logits must match
     # the same model on SDPA, with a left-padded row, also with Qwen3's q/k norms (in the kernel).
+    # In fp32, but bf16 where the GPU's lowering is emulated: its cast is to bf16.
+    import contextlib
     import re
 
     from torch._inductor import decomposition
@@ -244,7 +246,9 @@ def test_compiled_decode_step_hands_the_model_buffers_to_the_fused_kernel(gemv_a
             monkeypatch.setitem(table, torch.ops.aten.mm.default, gemv_as_inductor_decomposes_it_on_the_gpu)
     torch.manual_seed(0)
     model = Transformer(ModelArgs(block_size=128, vocab_size=64, n_layer=3, n_head=8, n_local_heads=2, dim=256,
-                                  intermediate_size=128, qk_norm=qk_norm)).to(torch.bfloat16).eval()
+                                  intermediate_size=128, qk_norm=qk_norm)).eval()
+    if gemv_as_on_the_gpu:
+        model = model.to(torch.bfloat16)
     model.setup_caches(2, 64)
     model.set_left_padding(torch.tensor([0, 3]))
     token, position = torch.randint(0, 64, (2, 1)), torch.tensor([9])
@@ -253,9 +257,9 @@ def test_compiled_decode_step_hands_the_model_buffers_to_the_fused_kernel(gemv_a
         reference = model(token, position)  # SDPA; the fused kernel writes the same slot again below
         monkeypatch.setattr(decode_attention, "handles", lambda q: decode_attention.supports(q.shape[-1]))
         # (a cached graph of another case would not know the decomposition changed)
-        with torch._inductor.config.patch(fx_graph_cache=not gemv_as_on_the_gpu):
+        with (torch._inductor.config.patch(fx_graph_cache=False) if gemv_as_on_the_gpu else contextlib.nullcontext()):
             logits, codes = run_and_get_code(torch.compile(model), token, position)
-    assert relative_error(logits, reference) < 2e-2
+    assert relative_error(logits, reference) < (2e-2 if gemv_as_on_the_gpu else 1e-4)
     code = "\n".join(codes)
     calls = re.findall(r"sparse_decoding\.decode_attention_with_cache_write\.default\((.*)\)$", code, re.M)
     assert len(calls) == 3, calls

@@ -1,7 +1,8 @@
 """scripts/inductor_picks.py: each pick in an Inductor cache named after the kernel it tuned.
 
-The cache below is laid out as Triton 3.6 and torch 2.11's Inductor leave it on the H200 (a
-best_config beside the kernel's source, Triton's cache under triton/<device>/<hash>/)."""
+The cache below is laid out as torch's Inductor and Triton's sources say they lay it out (a
+best_config beside the kernel's source; Triton's cache under triton/<device>/<hash>/, its files
+named after the kernel); not yet checked against a cache written on the H200."""
 import json
 import subprocess
 import sys
