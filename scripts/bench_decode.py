@@ -219,6 +219,7 @@ def bench_model(name: str, sparse_patterns: list, remaining, args, rows: list):
                 row["spmv_configs"] = tuned_spmv_configs(batch_size)
                 row["spmm_configs"] = tuned_spmm_configs(batch_size)
                 row["spmm_fastest_by_stages"] = spmm_fastest_by_stages(batch_size)
+                row["decode_routes"] = measured_routes(batch_size)
             rows.append(row)
             print(json.dumps(row), flush=True)
     free(model)
@@ -255,6 +256,14 @@ def spmm_fastest_by_stages(batch_size: int) -> dict:
             stages = config[-1]
             by_stages[stages] = round(min(by_stages.get(stages, float("inf")), us), 2)
     return fastest
+
+
+def measured_routes(batch_size: int) -> dict:
+    """Which kernel, SpMV or SpMM, each shape's plain matmul went to at this batch size where the
+    route was measured (sparse.linear.MEASURED_ROUTE)."""
+    from sparse import linear
+    return {f"{n_rows}x{32 * n_words}{' 2:4' if two_of_four else ''}": kernel
+            for (n_rows, n_words, rows, _, two_of_four, _), kernel in linear._routes.items() if rows == batch_size}
 
 
 def bench_gptfast(name: str, dense_step_s: dict, remaining, args, rows: list):

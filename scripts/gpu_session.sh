@@ -27,8 +27,9 @@
 #   sparse_gpu_tests  pytest -m gpu over the sparse/ modules' tests only (~2)
 #   decode_gpu_tests  pytest -m gpu over the SpMV, SparseLinear, decode attention and generate tests (~6-8)
 #   spmm_gpu_tests  pytest -m gpu over the tensor-core SpMM's tests (every tile shape with each K loop) (~3)
-#   attention_gpu_tests  pytest -m gpu over the decode attention and generate tests only (no SpMV
-#                   autotuning; decode_gpu_tests took 8.4 min in session 20)
+#   attention_gpu_tests  pytest -m gpu over the decode attention, SparseLinear (the measured SpMV/SpMM
+#                   route) and generate tests: decode_gpu_tests without the SpMV kernel's own (it took 8.4 min
+#                   in session 20) (~4)
 #   new_gpu_tests   only the GPU tests written in sessions 14-15 without a GPU: the SpMM's 2:4 nibble
 #                   expansion, RoPE and the KV write inside the decode attention, its merge in the last split (~3)
 #   kernel_ncu      Nsight Compute (full set, SASS source page with stall samples) of the tuned batch-1
@@ -135,7 +136,7 @@ declare -A JOBS=(
   [sparse_gpu_tests]="python3 -m pytest -v -m gpu tests/test_sparse_kernels.py tests/test_sparse_linear.py tests/test_sparse_spmm.py"
   [new_gpu_tests]="python3 -m pytest -v -m gpu tests/test_sparse_spmm.py tests/test_decode_attention.py -k 'llama_shape or model_decode_matches_sdpa'"
   [spmm_gpu_tests]="python3 -m pytest -v -m gpu tests/test_sparse_spmm.py"
-  [attention_gpu_tests]="python3 -m pytest -v -m gpu tests/test_decode_attention.py tests/test_generate.py"
+  [attention_gpu_tests]="python3 -m pytest -v -m gpu tests/test_decode_attention.py tests/test_sparse_linear.py tests/test_generate.py"
   [decode_gpu_tests]="python3 -m pytest -v -m gpu tests/test_sparse_kernels.py tests/test_sparse_linear.py tests/test_decode_attention.py tests/test_generate.py"
   [kernel_ncu]="ncu --clock-control none --nvtx --nvtx-include 'spmv/' --set full --import-source yes -o \$JOB/spmv python3 scripts/bench_kernel.py --ncu-shapes 4096x4096,28672x4096,4096x14336 --out-json \$JOB/targets.json && ncu -i \$JOB/spmv.ncu-rep --page details --csv > \$JOB/details.csv && ncu -i \$JOB/spmv.ncu-rep --page source --print-source sass --csv > \$JOB/source_sass.csv"
   [spmm_ncu]="ncu --clock-control none --nvtx --nvtx-include 'spmm/' --set full --import-source yes -o \$JOB/spmm python3 scripts/bench_kernel.py --ncu-shapes 4096x4096,28672x4096,4096x14336 --ncu-batch 8 --out-json \$JOB/targets.json && ncu -i \$JOB/spmm.ncu-rep --page details --csv > \$JOB/details.csv && ncu -i \$JOB/spmm.ncu-rep --page source --print-source sass --csv > \$JOB/source_sass.csv"

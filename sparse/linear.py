@@ -3,7 +3,8 @@
 Dispatch of `sparse_matmul` by where it runs and how many rows x has:
 - CUDA (or CPU under TRITON_INTERPRET=1): up to 16 rows -> the CUDA-core SpMV (kernels.spmv),
   or from spmm_min_rows rows on the tensor-core SpMM (spmm.spmm, which expands weight tiles in
-  registers for tl.dot); more rows (prefill) -> the SpMM if SPMM_PREFILL, else expand the
+  registers for tl.dot), from 8 rows on CUDA whichever of the two was measured faster for the
+  shape (MEASURED_ROUTE); more rows (prefill) -> the SpMM if SPMM_PREFILL, else expand the
   weight to dense with a Triton kernel and call cuBLAS (whole, or in PREFILL_SLICES slices that
   overlap the next slice's expansion with this one's GEMM). The switches below say why they are
   set as they are.
@@ -33,6 +34,15 @@ from sparse.format import pack, packed_shapes, parse_pattern, unpack
 # Prefill stays expand-to-dense + cuBLAS: the SpMM took 5-6x its time at 2048 tokens.
 SPMM_MIN_ROWS = 9
 SPMM_MIN_ROWS_2OF4 = 8
+# From MEASURED_ROUTE_MIN_ROWS rows up to the SpMV's limit, a plain decode matmul (nothing fused)
+# goes to whichever of the SpMV and the SpMM ran it faster, each in its tuned config, timed once
+# per shape and row count in a CUDA graph as the configs are (`decode_route`). The row threshold
+# alone is wrong for some shapes on either side of it: at 8 rows, 2:4, the SpMV beat the SpMM on
+# 4096x4096 (12.7 against 15.5 µs) while the SpMM won on 28672x4096 (56.0 against 67.6) (H200,
+# docs/BENCHMARKS.md session 15). Off CUDA (the interpreter), and while a graph is being captured
+# before the route is known, the threshold decides. Built in session 20 without a GPU run.
+MEASURED_ROUTE = True
+MEASURED_ROUTE_MIN_ROWS = 8
 SPMM_PREFILL = False
 # Prefill expands the weight in this many slices of rows, on a second CUDA stream, each slice's
 # cuBLAS GEMM overlapping the next slice's expansion (`prefill_matmul`): the expansion is DRAM-bound
@@ -65,8 +75,9 @@ def _bitmask_matmul(x: Tensor, values: Tensor, mask: Tensor, norm_weight: Option
         return kernels.spmv(x, values, mask, norm_weight=norm_weight, norm_eps=norm_eps, residual=residual,
                             gated=gated)
     if rows <= kernels.MAX_SPMV_BATCH:
-        return (kernels.spmv(x, values, mask) if rows < spmm_min_rows(two_of_four)
-                else spmm.spmm(x, values, mask, two_of_four=two_of_four))
+        if decode_route(x, values, mask, two_of_four) == "spmv":
+            return kernels.spmv(x, values, mask)
+        return spmm.spmm(x, values, mask, two_of_four=two_of_four)
     if SPMM_PREFILL:
         return spmm.spmm(x, values, mask, two_of_four=two_of_four)
     return prefill_matmul(x, values, mask, PREFILL_SLICES)
@@ -115,8 +126,34 @@ def prefill_matmul(x: Tensor, values: Tensor, mask: Tensor, slices: int = 1) -> 
 
 
 def spmm_min_rows(two_of_four: bool) -> int:
-    """The rows of x from which a decode-sized matmul goes to the SpMM instead of the SpMV."""
+    """The rows of x from which a decode-sized matmul goes to the SpMM instead of the SpMV, where
+    the route is not measured (MEASURED_ROUTE)."""
     return SPMM_MIN_ROWS_2OF4 if two_of_four else SPMM_MIN_ROWS
+
+
+_routes = {}  # (out, in words, rows, dtype, two_of_four, device) -> "spmv" or "spmm", as measured
+
+
+def decode_route(x: Tensor, values: Tensor, mask: Tensor, two_of_four: bool) -> str:
+    """"spmv" or "spmm": the kernel for a plain (unfused) matmul of x's 1-16 rows; see MEASURED_ROUTE."""
+    rows = x.shape[0]
+    by_threshold = "spmv" if rows < spmm_min_rows(two_of_four) else "spmm"
+    if not (MEASURED_ROUTE and rows >= MEASURED_ROUTE_MIN_ROWS and can_time_in_cuda_graph(x)):
+        return by_threshold
+    key = (mask.shape[1], mask.shape[0], rows, values.dtype, two_of_four, x.device)
+    if key not in _routes:
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            return by_threshold  # cannot time inside a capture; warm up first to get the measured one
+        runs = {"spmv": lambda v, m: kernels.spmv(x, v, m),
+                "spmm": lambda v, m: spmm.spmm(x, v, m, two_of_four=two_of_four)}
+        for run in runs.values():
+            run(values, mask)  # each tunes its own config first, outside the race
+        _routes[key] = kernels.fastest_in_cuda_graph(list(runs), values, mask, lambda name, v, m: runs[name](v, m))
+    return _routes[key]
+
+
+def can_time_in_cuda_graph(x: Tensor) -> bool:
+    return x.is_cuda
 
 
 @_bitmask_matmul.register_fake

@@ -98,3 +98,14 @@ def test_the_spmm_candidates_fastest_time_is_reported_for_each_k_loop_depth(monk
     monkeypatch.setattr(spmm, "candidate_times", {key: times, (*key[:2], 16, *key[3:]): {(1,) * 6: 1.0}})
     assert bench_decode.spmm_fastest_by_stages(8) == {"28672x4096 2:4": {1: 30.12, 3: 32.5}}
     assert bench_decode.spmm_fastest_by_stages(4) == {}
+
+
+def test_the_measured_routes_of_one_batch_size_are_reported(monkeypatch):
+    import torch
+    from sparse import linear
+    cuda = torch.device("cuda:0")
+    monkeypatch.setattr(linear, "_routes", {(4096, 128, 8, torch.bfloat16, True, cuda): "spmv",
+                                            (28672, 128, 8, torch.bfloat16, True, cuda): "spmm",
+                                            (4096, 128, 16, torch.bfloat16, True, cuda): "spmm"})
+    assert bench_decode.measured_routes(8) == {"4096x4096 2:4": "spmv", "28672x4096 2:4": "spmm"}
+    assert bench_decode.measured_routes(4) == {}

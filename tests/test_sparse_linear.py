@@ -24,6 +24,41 @@ def test_sparse_linear_matches_pruned_dense(pattern):
     assert torch.allclose(sparse_matmul(x, layer.values, layer.mask), x @ pruned.T)
 
 
+def test_decode_route_is_measured_once_per_shape_and_row_count(monkeypatch):
+    # From MEASURED_ROUTE_MIN_ROWS rows the SpMV and the SpMM race (each tuned first), once per
+    # shape and row count; fewer rows follow the threshold. The kernels and the race are stand-ins
+    # here (the race needs CUDA graphs); GPU tests run the real ones.
+    from sparse import kernels, linear, spmm
+    calls, races = [], []
+
+    def stand_in(name):
+        return lambda x, values, mask, **options: calls.append(name) or x @ unpack(values, mask).T
+
+    def race(candidates, values, mask, run):
+        races.append(list(candidates))
+        for candidate in candidates:
+            run(candidate, values, mask)
+        return "spmv"
+
+    monkeypatch.setattr(kernels, "spmv", stand_in("spmv"))
+    monkeypatch.setattr(spmm, "spmm", stand_in("spmm"))
+    monkeypatch.setattr(kernels, "fastest_in_cuda_graph", race)
+    monkeypatch.setattr(linear, "can_time_in_cuda_graph", lambda x: True)
+    monkeypatch.setattr(linear, "_routes", {})
+    layer = SparseLinear.from_dense(torch.randn(64, 96, dtype=torch.float64), "2:4")
+    dense = unpack(layer.values, layer.mask)
+    for _ in range(2):
+        x = torch.randn(8, 96, dtype=torch.float64)
+        assert torch.allclose(linear._bitmask_matmul(x, layer.values, layer.mask, two_of_four=True), x @ dense.T)
+    assert races == [["spmv", "spmm"]]
+    assert calls == ["spmv", "spmm", "spmv", "spmm", "spmv", "spmv"]  # tuned, raced, then the winner twice
+    calls.clear()
+    linear._bitmask_matmul(torch.randn(4, 96, dtype=torch.float64), layer.values, layer.mask, two_of_four=True)
+    monkeypatch.setattr(linear, "MEASURED_ROUTE", False)
+    linear._bitmask_matmul(torch.randn(16, 96, dtype=torch.float64), layer.values, layer.mask, two_of_four=True)
+    assert calls == ["spmv", "spmm"] and len(races) == 1  # 4 rows and the switch off: by the threshold
+
+
 def test_cpu_path_follows_buffers_changed_in_place():
     # The CPU path keeps an unpacked copy; it must not serve stale weights.
     layer = SparseLinear.from_dense(torch.randn(40, 64, dtype=torch.float64), "2:4")
@@ -84,7 +119,7 @@ GPU_CASES = [(6144, 4096, "2:4"), (4096, 14336, "16:32"), (7168, 5120, "4:8"), (
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("out_features,in_features,pattern", GPU_CASES)
-@pytest.mark.parametrize("rows", [1, 3, 4, 16, 300])
+@pytest.mark.parametrize("rows", [1, 3, 4, 8, 16, 300])  # 8 and 16: the measured route (MEASURED_ROUTE)
 def test_gpu_bf16_against_float64(out_features, in_features, pattern, rows):
     weight = torch.randn(out_features, in_features, device="cuda", dtype=torch.bfloat16)
     layer = SparseLinear.from_dense(weight, pattern)
