@@ -92,7 +92,7 @@
 #   decode_spmm_ab_b8  Llama-3.1-8B 2:4 at batch 8: this tree (the tensor-core SpMM from 8 rows for 2:4) against
 #                   the SpMV at 8 rows, in alternating copies of the tree (decode_ab.sh) (~5)
 #   decode_qwen3    Qwen3-8B and -14B, dense and 2:4, batch 1 (~9); Qwen3-32B is a job of its own:
-#   decode_qwen3_32b
+#   decode_qwen3_32b  (profiled since session 20: the q/k norms' kernels should be gone from it)
 #   prune_8b        bench_prune.py: SparseGPT 2:4, 262,144 decode tokens on Llama-3.1-8B (~7.5)
 #   prune_1m_generate, then (next call) prune_1m_prune: the same at 1M decode tokens, which does not
 #                   fit one 10-minute call (~8 + ~7): the first saves $JOB/calibration_1m.pt (in
@@ -170,7 +170,7 @@ declare -A JOBS=(
   [decode_prologue_ab_b23]="OUT=\$JOB bash scripts/decode_ab.sh 'sparse/linear.py:s/^PROLOGUE_APART_MIN_ROWS = 4/PROLOGUE_APART_MIN_ROWS = 2/' 1 2,3 -- --models Llama-3.1-8B --patterns 2:4"
   [decode_batches]="$DECODE --models Llama-3.1-8B --patterns dense,2:4 --batch_sizes 4,8 --deadline_s 500 --out \$JOB"
   [decode_qwen3]="$DECODE --models Qwen3-8B,Qwen3-14B --patterns dense,2:4 --batch_sizes 1 --out \$JOB"
-  [decode_qwen3_32b]="$DECODE --models Qwen3-32B --patterns dense,2:4 --batch_sizes 1 --deadline_s 500 --out \$JOB"
+  [decode_qwen3_32b]="$DECODE --models Qwen3-32B --patterns dense,2:4 --batch_sizes 1 --deadline_s 500 --profile --out \$JOB"
   [prune_8b]="$PRUNE_8B --tokens 262144"
   [prune_1m_generate]="$PRUNE_8B --tokens 1000000 --calibration \$JOB/calibration_1m.pt"
   [prune_1m_prune]="$PRUNE_8B --tokens 1000000 --calibration runs/prune_1m_calibration.pt"
