@@ -34,6 +34,7 @@ from sparse.format import pack, packed_shapes, parse_pattern, unpack
 # Prefill stays expand-to-dense + cuBLAS: the SpMM took 5-6x its time at 2048 tokens.
 SPMM_MIN_ROWS = 9
 SPMM_MIN_ROWS_2OF4 = 8
+SPMM_PREFILL = False
 # From MEASURED_ROUTE_MIN_ROWS rows up to the SpMV's limit, a plain decode matmul (nothing fused)
 # goes to whichever of the SpMV and the SpMM ran it faster, each in its tuned config, timed once
 # per shape and row count in a CUDA graph as the configs are (`decode_route`). The row threshold
@@ -43,7 +44,6 @@ SPMM_MIN_ROWS_2OF4 = 8
 # before the route is known, the threshold decides. Built in session 20 without a GPU run.
 MEASURED_ROUTE = True
 MEASURED_ROUTE_MIN_ROWS = 8
-SPMM_PREFILL = False
 # Prefill expands the weight in this many slices of rows, on a second CUDA stream, each slice's
 # cuBLAS GEMM overlapping the next slice's expansion (`prefill_matmul`): the expansion is DRAM-bound
 # (2.7-3.1 TB/s) and the GEMM at 2048 tokens compute-bound, so apart the expansion adds 5-12 % to
@@ -153,6 +153,7 @@ def decode_route(x: Tensor, values: Tensor, mask: Tensor, two_of_four: bool) -> 
 
 
 def can_time_in_cuda_graph(x: Tensor) -> bool:
+    """The race times in CUDA graphs (a CPU test stands in for it)."""
     return x.is_cuda
 
 
