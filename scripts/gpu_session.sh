@@ -25,7 +25,7 @@
 #   kernel_sweep_b1 the same sweep at batch 1 on all 16 shapes of the kernel table, with cuBLAS (~2)
 #   kernel_sweep_batches  the sweep at batch 4, 8 and 16 on the four Llama-3.1-8B shapes (~2)
 #   sparse_gpu_tests  pytest -m gpu over the sparse/ modules' tests only (~2)
-#   decode_gpu_tests  pytest -m gpu over the SpMV, SparseLinear, decode attention and generate tests (~6-8)
+#   decode_gpu_tests  pytest -m gpu over the SpMV, SparseLinear, decode attention and generate tests (~8.5 in session 20)
 #   spmm_gpu_tests  pytest -m gpu over the tensor-core SpMM's tests (every tile shape with each K loop) (~3)
 #   attention_gpu_tests  pytest -m gpu over the decode attention, SparseLinear (the measured SpMV/SpMM
 #                   route) and generate tests: decode_gpu_tests without the SpMV kernel's own (it took 8.4 min
