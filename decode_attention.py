@@ -339,10 +339,7 @@ def _attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, keep=None, new_k=None, 
         raise ValueError("decode_attention: k_cache and v_cache must share strides")
     rope_and_write = new_k is not None
     if rope_and_write:
-        if (new_k.shape != (batch, n_kv_heads, head_dim) or new_v.shape != new_k.shape or new_k.stride(2) != 1
-                or new_v.stride(2) != 1):
-            raise ValueError(f"decode_attention: new k {tuple(new_k.shape)} / v {tuple(new_v.shape)} do not match "
-                             f"{batch} rows of {n_kv_heads} KV heads of {head_dim}")
+        # new_k, new_v: split_heads' views of the one qkv tensor q comes from, so shaped and strided as q
         if (rope_cos.dim() != 2 or rope_cos.shape[0] < n_slots or rope_cos.shape[1] != head_dim
                 or rope_cos.shape != rope_sin.shape or rope_cos.stride() != rope_sin.stride() or rope_cos.stride(1) != 1):
             raise ValueError(f"decode_attention: RoPE tables {tuple(rope_cos.shape)} / {tuple(rope_sin.shape)} do not "

@@ -121,15 +121,15 @@ def kept_logits(logits: Tensor, temperature: float = 1.0, top_k: Optional[int] =
         if top_p is None and TOPK_KERNEL:
             rows = logits.reshape(-1, logits.shape[-1])
             threshold = topk_threshold.kth_largest(rows, k).reshape(*logits.shape[:-1], 1)
-            return logits.masked_fill(logits < threshold, float("-inf"))
-        # Unsorted unless top-p needs the order: on CUDA the sort is a kernel of its own (21 us of
-        # a Llama-3 step at k=200, docs/BENCHMARKS.md), and top-k alone needs only the k-th value.
-        ranked = top_values(logits, k, sorted=top_p is not None)  # sorted: descending
-        if top_p is not None:
-            ranked_probs = torch.softmax(ranked, dim=-1)  # renormalised over the top-k, as if top-k ran first
-            mass_before = ranked_probs.cumsum(dim=-1) - ranked_probs
-            ranked = ranked.masked_fill(mass_before >= top_p, float("inf"))  # mass already reached: drop
-        threshold = ranked.min(dim=-1, keepdim=True).values
+        else:
+            # Unsorted unless top-p needs the order: on CUDA the sort is a kernel of its own (21 us
+            # of a Llama-3 step at k=200, docs/BENCHMARKS.md), and top-k alone needs only the k-th value.
+            ranked = top_values(logits, k, sorted=top_p is not None)  # sorted: descending
+            if top_p is not None:
+                ranked_probs = torch.softmax(ranked, dim=-1)  # renormalised over the top-k, as if top-k ran first
+                mass_before = ranked_probs.cumsum(dim=-1) - ranked_probs
+                ranked = ranked.masked_fill(mass_before >= top_p, float("inf"))  # mass already reached: drop
+            threshold = ranked.min(dim=-1, keepdim=True).values
         logits = logits.masked_fill(logits < threshold, float("-inf"))
     return logits
 

@@ -45,7 +45,10 @@ def test_kth_largest_falls_back_to_torch_topk_where_the_kernels_do_not_fit():
     for k in (40, 300):  # slices narrower than k; k above MAX_K
         assert not topk_threshold.handles(x, k)
         assert torch.equal(topk_threshold.kth_largest(x, k), torch.topk(x, k).values[:, -1:])
-    assert not topk_threshold.handles(x.double(), 4) and not topk_threshold.handles(x[:, ::2], 4)
+    # k = 4 fits slices of 1000 columns: only the dtype, or the stride, rules these out
+    strided = awkward_rows(3, 2000, seed=2)[:, ::2]
+    assert not topk_threshold.handles(x.double(), 4) and not topk_threshold.handles(strided, 4)
+    assert topk_threshold.handles(x, 4) and topk_threshold.handles(strided.contiguous(), 4)
 
 
 @interpreted
