@@ -18,6 +18,10 @@ dense_run() {  # dense_run LABEL CACHE_DIR
   TORCHINDUCTOR_CACHE_DIR=$2 python3 scripts/bench_decode.py --models Llama-3.1-8B --patterns dense \
     --batch_sizes 1 --profile --out "$OUT/run$1" > "$OUT/run$1.log" 2>&1 || echo "run $1: exit $?"
   python3 scripts/inductor_picks.py "$2" > "$OUT/best_configs_$1.txt"
+  # On 2026-12-04 the picks file named no kernel twice ("?" on all 20-23), though Inductor records
+  # the Triton cache directory's own name (runtime_utils.triton_hash_to_path_key): keep where
+  # the compiled kernels and the picks really lie, to mend inductor_picks.py from.
+  { echo "TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-unset}"; cd "$2" && find . -maxdepth 4 | sort | head -200; } > "$OUT/cache_layout_$1.txt"
   echo "run $1: $(grep -ho 'median_step_ms[^,]*' "$OUT/run$1"/*.json 2>/dev/null) $(wc -l < "$OUT/best_configs_$1.txt") tuned kernels"
 }
 
