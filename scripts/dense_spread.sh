@@ -21,7 +21,7 @@ dense_run() {  # dense_run LABEL CACHE_DIR
   # On 2026-12-04 the picks file named no kernel twice ("?" on all 20-23), though Inductor records
   # the Triton cache directory's own name (runtime_utils.triton_hash_to_path_key): keep where
   # the compiled kernels and the picks really lie, to mend inductor_picks.py from.
-  { echo "TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-unset}"; cd "$2" && find . -maxdepth 4 | sort | head -200; } > "$OUT/cache_layout_$1.txt"
+  (echo "TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-unset}"; cd "$2" && find . -maxdepth 4 | sort | head -200) > "$OUT/cache_layout_$1.txt"
   echo "run $1: $(grep -ho 'median_step_ms[^,]*' "$OUT/run$1"/*.json 2>/dev/null) $(wc -l < "$OUT/best_configs_$1.txt") tuned kernels"
 }
 
