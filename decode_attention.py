@@ -38,8 +38,6 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from grid_dependency import grid_dependent, release_next_kernel, wait_for_kernel_ahead
-
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 PROGRAMS_TARGET = 264  # two programs per SM of an H200 (132 SMs)
 # 64 since session 17: the kernel alone took 4-25 % less time than with 32 at every batch 1-16 and cache of
@@ -151,7 +149,7 @@ def _partial_attention_kernel(q_ptr, k_ptr, v_ptr, keep_ptr, acc_ptr, stats_ptr,
                               MERGE: tl.constexpr, MERGE_HEADS: tl.constexpr, SPLITS: tl.constexpr,
                               MERGE_CHUNK: tl.constexpr,
                               V_WITH_K: tl.constexpr, STAGES: tl.constexpr, IEEE: tl.constexpr,
-                              GRID_DEPENDENT: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
+                              INTERPRETER_SAFE: tl.constexpr):
     """Partial attention of the GROUP_SIZE query heads of one KV head over one split of the slots.
 
     Writes acc (unnormalised sum of p·V, fp32) and stats (max score, sum of exp) per query head and
@@ -163,16 +161,8 @@ def _partial_attention_kernel(q_ptr, k_ptr, v_ptr, keep_ptr, acc_ptr, stats_ptr,
     *write_slot_ptr stores the new k and v there. With QK_NORM as well, q and the new k first go
     through RMSNorm over each head (weights q_norm_ptr, k_norm_ptr [D]), as Qwen3's do.
     With MERGE, the last of the row's and KV head's programs to finish merges the splits into out
-    (arrivals_ptr: one zeroed int32 per row and KV head, left zeroed). GRID_DEPENDENT: launched
-    with programmatic dependent launch (grid_dependency.py); every input may come from a kernel
-    ahead, so the program waits before its first load. The wait's zero goes into the row and head
-    index every address but the two scalars' derives from (added to the pointers themselves it
-    hid their alignment: the slot loop grew from 484 to 2174 instructions and spilled)."""
-    release_next_kernel(GRID_DEPENDENT)
-    after_wait = wait_for_kernel_ahead(GRID_DEPENDENT)
-    left_pad_ptr += after_wait
-    write_slot_ptr += after_wait
-    batch_head = tl.program_id(0) + after_wait
+    (arrivals_ptr: one zeroed int32 per row and KV head, left zeroed)."""
+    batch_head = tl.program_id(0)
     split = tl.program_id(1)
     b = batch_head // n_kv_heads
     kv_head = batch_head % n_kv_heads
@@ -377,7 +367,6 @@ def _attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, keep=None, new_k=None, 
     merge = MERGE_IN_LAST_SPLIT
     arrivals = reserve_arrival_counters(q.device, batch * n_kv_heads) if merge else acc
     merge_heads, split_tile, merge_chunk = merge_tiling(group_size, splits, merge)
-    grid_dependent_launch = grid_dependent(q.device)
     _partial_attention_kernel[(batch * n_kv_heads, splits)](
         q, k_cache, v_cache, keep, acc, stats, out, arrivals, new_k, new_v, rope_cos, rope_sin, left_pad, write_slot,
         q_norm, k_norm, norm_eps, n_kv_heads, n_slots, slots_per_split, head_dim ** -0.5,
@@ -386,8 +375,7 @@ def _attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, keep=None, new_k=None, 
         GROUP_SIZE=group_size, GROUP=max(16, triton.next_power_of_2(group_size)), HEAD_DIM=head_dim,
         BLOCK=BLOCK_SLOTS, ROPE_AND_WRITE=rope_and_write, QK_NORM=qk_norm, MERGE=merge, MERGE_HEADS=merge_heads,
         SPLITS=split_tile, MERGE_CHUNK=merge_chunk, V_WITH_K=LOAD_V_WITH_K, STAGES=stages,
-        IEEE=q.dtype == torch.float32, GRID_DEPENDENT=grid_dependent_launch, INTERPRETER_SAFE=INTERPRETING,
-        launch_pdl=grid_dependent_launch)
+        IEEE=q.dtype == torch.float32, INTERPRETER_SAFE=INTERPRETING)
     if not merge:
         _merge_splits_kernel[(batch * n_heads,)](acc, stats, out, splits, SPLITS=split_tile, CHUNK=merge_chunk,
                                                  HEAD_DIM=head_dim)

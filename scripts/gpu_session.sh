@@ -85,10 +85,6 @@
 #   decode_spmm_stages_b816  the SpMM's K loop pipelined by Triton among the tuner's candidates (spmm.DECODE_STAGES,
 #                   session 19): its GPU tests on the Llama shapes, then Llama-3.1-8B 2:4 at batch 8 and 16 with
 #                   --profile, this tree against the hand-pipelined loop alone, one process each (~7)
-#   decode_pdl_b1   programmatic dependent launch (grid_dependency.py): its GPU tests, then Llama-3.1-8B 2:4 and
-#                   dense at batch 1 with --profile, one process each: this tree (off), our SpMV and attention
-#                   kernels launched grid-dependent, and that plus Inductor's own (triton.enable_pdl; its mix
-#                   with ours is not covered by a test: a timing, not yet a candidate) (~7)
 #   decode_topk_kernel_b1  the top-k threshold kernels' GPU tests, then Llama-3.1-8B 2:4 at batch 1 with --profile:
 #                   torch.topk (this tree) against topk_threshold.kth_largest (generate.TOPK_KERNEL) (~5)
 #   decode_spmm_from4_b4  Llama-3.1-8B 2:4 at batch 4 with --profile: this tree (the SpMV) against the SpMM from 4
@@ -127,8 +123,6 @@ TOPK_KERNEL="generate.py:s/^TOPK_KERNEL = False/TOPK_KERNEL = True/"
 V_WITH_K="decode_attention.py:s/^LOAD_V_WITH_K = False/LOAD_V_WITH_K = True/"
 PLAIN_LOOP="decode_attention.py:s/^PIPELINE_STAGES = 2/PIPELINE_STAGES = 1/"
 PROGRAMS1056="decode_attention.py:s/^PROGRAMS_TARGET = 264 /PROGRAMS_TARGET = 1056 /"
-GRID_DEPENDENT="grid_dependency.py:s/^GRID_DEPENDENT_LAUNCH = False/GRID_DEPENDENT_LAUNCH = True/"
-INDUCTOR_PDL="generate.py:s/^INDUCTOR_OPTIONS = {/INDUCTOR_OPTIONS = {\x22triton.enable_pdl\x22: True, /"
 declare -A JOBS=(
   [gpu_tests]="python3 -m pytest -v -m gpu tests"
   [prefill_slices]="python3 -m pytest -q -m gpu tests/test_sparse_kernels.py -k prefill_matmul; for n in 1 4; do python3 scripts/bench_kernel.py --batches 2048 --no-semi --prefill-slices \$n --out-md \$JOB/slices\$n.md --out-json \$JOB/slices\$n.json; done"
@@ -169,7 +163,6 @@ declare -A JOBS=(
   [dense_spread]="OUT=\$JOB bash scripts/dense_spread.sh 2"
   [dense_placement]="python3 scripts/dense_placement.py --placements 4 --arena --out \$JOB"
   [decode_spmm_stages_b816]="python3 -m pytest -q -m gpu tests/test_sparse_spmm.py -k 'llama_shapes and nibble and not prefetched'; OUT=\$JOB bash scripts/decode_variants.sh 1 'base=' 'hand_loop=$SPMM_HAND_LOOP' -- --models Llama-3.1-8B --patterns 2:4 --batch_sizes 8,16 --profile"
-  [decode_pdl_b1]="python3 -m pytest -q -m gpu tests/test_grid_dependency.py; OUT=\$JOB bash scripts/decode_variants.sh 1 'base=' 'ours=$GRID_DEPENDENT' 'ours_and_inductor=$GRID_DEPENDENT;$INDUCTOR_PDL' -- --models Llama-3.1-8B --patterns 2:4,dense --batch_sizes 1 --profile"
   [decode_topk_kernel_b1]="python3 -m pytest -q -m gpu tests/test_topk_threshold.py; OUT=\$JOB bash scripts/decode_variants.sh 1 'torch_topk=' 'topk_kernel=$TOPK_KERNEL' -- --models Llama-3.1-8B --patterns 2:4 --batch_sizes 1 --profile"
   [decode_spmm_from4_b4]="OUT=\$JOB bash scripts/decode_variants.sh 1 'base=' 'spmm_from4=$SPMM_FROM4' -- --models Llama-3.1-8B --patterns 2:4 --batch_sizes 4 --profile"
   [decode_spmm_prefetch_b816]="python3 -m pytest -q -m gpu tests/test_sparse_spmm.py -k 'llama_shapes and prefetched'; OUT=\$JOB bash scripts/decode_variants.sh 1 'base=' 'prefetch=$PREFETCH_PAIRS' -- --models Llama-3.1-8B --patterns 2:4 --batch_sizes 8,16 --profile"

@@ -80,17 +80,8 @@ def compile_for_sm90a(kernel, types: dict, constants: dict, num_warps: int, divi
             int(re.search(r"(\d+) bytes spill stores", report).group(1)), compiled.metadata.shared)
 
 
-def first_at(sass: str, *starts: str) -> int:
-    """Index of the first instruction from the kernel's top whose text (opcode with its modifiers,
-    e.g. "LDG.E.U16") starts with one of starts, or -1. PREEXIT is griddepcontrol.launch_dependents,
-    ACQBULK griddepcontrol.wait."""
-    instructions = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([^;]*);", sass)
-    return next((i for i, text in enumerate(instructions) if text.startswith(starts)), -1)
-
-
 def compile_partial_attention(rope_and_write: bool, group_size: int = 4, head_dim: int = 128, merge: bool = False,
-                              splits: int = 32, v_with_k: bool = False, stages: int = 1, qk_norm: bool = False,
-                              grid_dependent: bool = False) -> dict:
+                              splits: int = 32, v_with_k: bool = False, stages: int = 1, qk_norm: bool = False) -> dict:
     """decode_attention's partial kernel for sm_90a (bf16, Llama-3.1-8B's GQA group of 4 by
     default), with or without RoPE and the cache write (and Qwen3's q/k norms: qk_norm), with or
     without the merge of `splits` splits in the last program, its block loop plain or
@@ -104,8 +95,7 @@ def compile_partial_attention(rope_and_write: bool, group_size: int = 4, head_di
                  k_norm_ptr="*bf16", norm_eps="fp32")
     constants = dict(GROUP_SIZE=group_size, GROUP=max(16, triton.next_power_of_2(group_size)), HEAD_DIM=head_dim,
                      BLOCK=decode_attention.BLOCK_SLOTS, ROPE_AND_WRITE=rope_and_write, QK_NORM=qk_norm, MERGE=merge,
-                     V_WITH_K=v_with_k, STAGES=stages, IEEE=False, GRID_DEPENDENT=grid_dependent,
-                     INTERPRETER_SAFE=False)
+                     V_WITH_K=v_with_k, STAGES=stages, IEEE=False, INTERPRETER_SAFE=False)
     constants.update(zip(("MERGE_HEADS", "SPLITS", "MERGE_CHUNK"), decode_attention.merge_tiling(group_size, splits,
                                                                                                merge)))
     # What the JIT sees on Llama's shapes: aligned buffers, strides and slot counts in multiples of 16.
@@ -121,7 +111,7 @@ def compile_partial_attention(rope_and_write: bool, group_size: int = 4, head_di
                 instructions=len(SASS_LINE.findall(sass)), loop=len(loop), loads=sass.count("LDG"),
                 async_copies_in_loop=sum(op.startswith("LDGSTS") for op in loop),
                 barriers_in_loop=sum(op.startswith("BAR") for op in loop),
-                loop_loads_at=[round(i / len(loop), 2) for i, op in enumerate(loop) if op.startswith("LDG")], sass=sass)
+                loop_loads_at=[round(i / len(loop), 2) for i, op in enumerate(loop) if op.startswith("LDG")])
 
 
 def compile_spmm(two_of_four: bool, block_out: int = 128, words: int = 2, num_warps: int = 4,
@@ -147,8 +137,7 @@ def compile_spmm(two_of_four: bool, block_out: int = 128, words: int = 2, num_wa
 
 
 def compile_spmv(kernels, batch: int, slices: int, prefetch: int, nnz_per_word: int = 16,
-                 dtype: str = "bf16", even_k: bool = True, variant: str = "plain", packed_x: bool = False,
-                 grid_dependent: bool = False) -> dict:
+                 dtype: str = "bf16", even_k: bool = True, variant: str = "plain", packed_x: bool = False) -> dict:
     """Compile the SpMV for sm_90a and count its machine code; one loop trip = one mask word of
     one row per thread, so per kept weight = loop instructions / nnz_per_word. variant: "plain",
     "norm" (the RMSNorm prologue: what wqkv and w13 run in a decode step) or "gated" (silu(gate) *
@@ -158,8 +147,7 @@ def compile_spmv(kernels, batch: int, slices: int, prefetch: int, nnz_per_word: 
              "norm_eps": "fp32"}
     constants = dict(NNZ=nnz_per_word, CHUNK=min(8, nnz_per_word), BATCH=batch, SLICES=slices, PREFETCH=prefetch,
                      EVEN_K=even_k, NORM=variant == "norm", RESIDUAL=variant == "gated",
-                     GATED=variant == "gated", PACKED_X=packed_x, GRID_DEPENDENT=grid_dependent,
-                     INTERPRETER_SAFE=False)
+                     GATED=variant == "gated", PACKED_X=packed_x, INTERPRETER_SAFE=False)
     # The constants this revision's kernel has (older ones lack the fused operands).
     constants = {name: value for name, value in constants.items() if name in kernels._spmv_kernel.arg_names}
     sass, registers, spill_bytes, _ = compile_for_sm90a(kernels._spmv_kernel, types, constants, slices)
@@ -207,9 +195,7 @@ def main():
                     for stages in args.stages:
                         print(f"RoPE and cache write {rope_and_write!s:5}, merge in the last split {merge!s:5}, "
                               f"V loaded with K {v_with_k!s:5}, stages {stages}:",
-                              {name: value for name, value in compile_partial_attention(
-                                  rope_and_write, merge=merge, v_with_k=v_with_k, stages=stages).items()
-                               if name != "sass"})
+                              compile_partial_attention(rope_and_write, merge=merge, v_with_k=v_with_k, stages=stages))
         return
     kernels = kernels_module(args.revision)
     print(f"{'batch':>5} {'regs':>5} {'spill B':>7} {'loop':>5} {'FFMA':>5} {'FLO':>4} {'SHFL':>4} {'LDG':>4} "

@@ -38,8 +38,6 @@ import torch
 import triton
 import triton.language as tl
 
-from grid_dependency import grid_dependent, release_next_kernel, wait_for_kernel_ahead
-
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_SPMV_BATCH = 16
 PACK_X_MIN_BATCH = 4  # see packs_x and docs/KERNEL_NOTES.md (sessions 11 and 13)
@@ -186,11 +184,18 @@ def _load_lane(ptr, INTERPRETER_SAFE: tl.constexpr):
 
 
 @triton.jit
-def _load_weights(values_u32, mask_u32, k, rows, n_rows, n_words, CHUNKS: tl.constexpr, U32_PER_CHUNK: tl.constexpr,
-                  EVEN_K: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
-    """The weight half of `_load_word`: (word ready to scan, values, valid, k clamped). Reads only
-    the packed weight, which no kernel writes during a decode step, so a grid-dependent launch
-    may issue it before waiting for the kernel ahead (grid_dependency.py)."""
+def _load_word(x_ptr, norm_ptr, values_u32, mask_u32, k, rows, lane, n_rows, n_words, x_stride, batch_rows, squares,
+               CHUNKS: tl.constexpr, U32_PER_CHUNK: tl.constexpr, BATCH: tl.constexpr, EVEN_K: tl.constexpr,
+               NORM: tl.constexpr, GATED: tl.constexpr, PACKED_X: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
+    """What a thread needs to multiply word k of its row: (word ready to scan, values, x lanes, valid,
+    squares).
+
+    Lane j of x is the input at column 32k + j after the fused prologue: silu(gate) * up when
+    GATED (x rows are [gate | up]), times the norm weight when NORM. The norm's 1/rms is a factor
+    of the whole row sum, applied at the end; for it, with NORM, squares[b] (a tuple over the rows
+    of x) adds up x[b, 32k + lane]^2 of every word loaded. Unless EVEN_K (the programs' words cover
+    K exactly), a word past the end reads the last word again and multiplies it by zero. PACKED_X:
+    x rounded to bf16, two rows of x to a lane register (see `_step`)."""
     if EVEN_K:
         valid = k >= 0  # always true; without clamping, the compiler steps the addresses by a constant
     else:
@@ -201,14 +206,6 @@ def _load_weights(values_u32, mask_u32, k, rows, n_rows, n_words, CHUNKS: tl.con
     for c in tl.static_range(CHUNKS):
         tile = tile + _load_u32(values_u32 + ((k * CHUNKS + c) * n_rows + rows) * U32_PER_CHUNK, U32_PER_CHUNK,
                                 INTERPRETER_SAFE)
-    return word, tile, valid, k
-
-
-@triton.jit
-def _load_x(x_ptr, norm_ptr, k, valid, lane, n_words, x_stride, batch_rows, squares, BATCH: tl.constexpr,
-            EVEN_K: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr, PACKED_X: tl.constexpr,
-            INTERPRETER_SAFE: tl.constexpr):
-    """The input half of `_load_word`: (x lanes, squares) for word k (clamped, with its valid)."""
     column = k * 32 + lane
     if NORM:
         scale = _load_lane(norm_ptr + column, INTERPRETER_SAFE)
@@ -230,26 +227,6 @@ def _load_x(x_ptr, norm_ptr, k, valid, lane, n_words, x_stride, batch_rows, squa
                 bits = x_lanes[b // 2] | (bits << 16)
                 x_lanes = x_lanes[:b // 2]
         x_lanes = x_lanes + (bits if EVEN_K else tl.where(valid, bits, 0), )
-    return x_lanes, squares
-
-
-@triton.jit
-def _load_word(x_ptr, norm_ptr, values_u32, mask_u32, k, rows, lane, n_rows, n_words, x_stride, batch_rows, squares,
-               CHUNKS: tl.constexpr, U32_PER_CHUNK: tl.constexpr, BATCH: tl.constexpr, EVEN_K: tl.constexpr,
-               NORM: tl.constexpr, GATED: tl.constexpr, PACKED_X: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
-    """What a thread needs to multiply word k of its row: (word ready to scan, values, x lanes, valid,
-    squares).
-
-    Lane j of x is the input at column 32k + j after the fused prologue: silu(gate) * up when
-    GATED (x rows are [gate | up]), times the norm weight when NORM. The norm's 1/rms is a factor
-    of the whole row sum, applied at the end; for it, with NORM, squares[b] (a tuple over the rows
-    of x) adds up x[b, 32k + lane]^2 of every word loaded. Unless EVEN_K (the programs' words cover
-    K exactly), a word past the end reads the last word again and multiplies it by zero. PACKED_X:
-    x rounded to bf16, two rows of x to a lane register (see `_step`)."""
-    word, tile, valid, k = _load_weights(values_u32, mask_u32, k, rows, n_rows, n_words, CHUNKS, U32_PER_CHUNK, EVEN_K,
-                                         INTERPRETER_SAFE)
-    x_lanes, squares = _load_x(x_ptr, norm_ptr, k, valid, lane, n_words, x_stride, batch_rows, squares, BATCH, EVEN_K,
-                               NORM, GATED, PACKED_X, INTERPRETER_SAFE)
     return word, tile, x_lanes, valid, squares
 
 
@@ -291,11 +268,9 @@ def _spmv_kernel(x_ptr, values_ptr, mask_ptr, y_ptr, workspace_ptr, arrivals_ptr
                  n_rows, n_words, words_per_warp, batch_rows, x_stride, norm_eps,
                  NNZ: tl.constexpr, CHUNK: tl.constexpr, BATCH: tl.constexpr, SLICES: tl.constexpr,
                  PREFETCH: tl.constexpr, EVEN_K: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
-                 GATED: tl.constexpr, PACKED_X: tl.constexpr, GRID_DEPENDENT: tl.constexpr,
-                 INTERPRETER_SAFE: tl.constexpr):
+                 GATED: tl.constexpr, PACKED_X: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
     """y[:batch_rows, rows] = residual + prologue(x) @ W[rows].T for the 32 rows of this program's
-    row block (`spmv` says what the optional prologue and residual are). GRID_DEPENDENT: launched
-    with programmatic dependent launch (grid_dependency.py).
+    row block (`spmv` says what the optional prologue and residual are).
 
     Grid (row blocks, K splits); SLICES warps per program, warp s walking words_per_warp words
     from (split · SLICES + s) · words_per_warp. BATCH: batch_rows rounded up to a power of two."""
@@ -315,27 +290,17 @@ def _spmv_kernel(x_ptr, values_ptr, mask_ptr, y_ptr, workspace_ptr, arrivals_ptr
     squares = acc if NORM else ()
 
     # Software pipeline, PREFETCH words deep: word i + PREFETCH's loads are issued before word i
-    # is multiplied. The first words' weights are loaded before waiting for the kernel ahead
-    # (GRID_DEPENDENT), their x after.
-    release_next_kernel(GRID_DEPENDENT)
-    word, tile, valid, k0 = _load_weights(values_u32, mask_u32, k_first, rows, n_rows, n_words, CHUNKS, U32_PER_CHUNK,
-                                          EVEN_K, INTERPRETER_SAFE)
+    # is multiplied.
+    word, tile, x_lanes, valid, squares = _load_word(
+        x_ptr, norm_ptr, values_u32, mask_u32, k_first, rows, lane, n_rows, n_words, x_stride, batch_rows, squares,
+        CHUNKS, U32_PER_CHUNK, BATCH, EVEN_K, NORM, GATED, PACKED_X, INTERPRETER_SAFE)
     if PREFETCH == 2:
-        word1, tile1, valid1, k1 = _load_weights(values_u32, mask_u32, k_first + 1, rows, n_rows, n_words, CHUNKS,
-                                                 U32_PER_CHUNK, EVEN_K, INTERPRETER_SAFE)
-    # x's addresses take the wait's zero through the lane index (the gated loop: 140 -> 145
-    # instructions a word, the same as through x_ptr; the others unchanged).
-    after_wait = wait_for_kernel_ahead(GRID_DEPENDENT)
-    x_lane = lane + after_wait
-    residual_ptr += after_wait
-    x_lanes, squares = _load_x(x_ptr, norm_ptr, k0, valid, x_lane, n_words, x_stride, batch_rows, squares, BATCH,
-                               EVEN_K, NORM, GATED, PACKED_X, INTERPRETER_SAFE)
-    if PREFETCH == 2:
-        x_lanes1, squares = _load_x(x_ptr, norm_ptr, k1, valid1, x_lane, n_words, x_stride, batch_rows, squares, BATCH,
-                                    EVEN_K, NORM, GATED, PACKED_X, INTERPRETER_SAFE)
+        word1, tile1, x_lanes1, valid1, squares = _load_word(
+            x_ptr, norm_ptr, values_u32, mask_u32, k_first + 1, rows, lane, n_rows, n_words, x_stride, batch_rows,
+            squares, CHUNKS, U32_PER_CHUNK, BATCH, EVEN_K, NORM, GATED, PACKED_X, INTERPRETER_SAFE)
     for i in range(PREFETCH, words_per_warp):
         next_word, next_tile, next_x, next_valid, squares = _load_word(
-            x_ptr, norm_ptr, values_u32, mask_u32, k_first + i, rows, x_lane, n_rows, n_words, x_stride, batch_rows,
+            x_ptr, norm_ptr, values_u32, mask_u32, k_first + i, rows, lane, n_rows, n_words, x_stride, batch_rows,
             squares, CHUNKS, U32_PER_CHUNK, BATCH, EVEN_K, NORM, GATED, PACKED_X, INTERPRETER_SAFE)
         acc = _multiply(acc, word, tile, x_lanes, valid, DTYPE, PACKED_X, INTERPRETER_SAFE)
         if PREFETCH == 2:
@@ -651,14 +616,12 @@ def spmv(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, config=None,
     # the partial products, then (NORM) each row block's sums of squares
     workspace, arrivals = _workspace(x.device, batch * n_rows + row_blocks * triton.next_power_of_2(batch), row_blocks)
     y = torch.empty(batch, n_rows, dtype=x.dtype, device=x.device) if out is None else out
-    grid_dependent_launch = grid_dependent(x.device)
     _spmv_kernel[(row_blocks, split)](
         x, values, mask, y, workspace, arrivals, x if norm_weight is None else norm_weight,
         x if residual is None else residual, n_rows, n_words, words_per_warp, batch, x_width, norm_eps,
         NNZ=nnz, CHUNK=chunk, BATCH=triton.next_power_of_2(batch), SLICES=slices, PREFETCH=prefetch,
         EVEN_K=n_words % (slices * words_per_warp) == 0, NORM=norm_weight is not None,
-        RESIDUAL=residual is not None, GATED=gated, PACKED_X=pack_x, GRID_DEPENDENT=grid_dependent_launch,
-        INTERPRETER_SAFE=INTERPRETING, num_warps=slices, launch_pdl=grid_dependent_launch)
+        RESIDUAL=residual is not None, GATED=gated, PACKED_X=pack_x, INTERPRETER_SAFE=INTERPRETING, num_warps=slices)
     return y
 
 

@@ -1,5 +1,5 @@
 """Helpers shared by the sparse kernel tests (test_sparse_kernels.py, test_sparse_spmm.py,
-test_sparse_linear.py, test_grid_dependency.py).
+test_sparse_linear.py).
 
 Triton reads TRITON_INTERPRET when it decorates a kernel, i.e. when sparse/ is first imported,
 and other test modules import sparse/ first; so a kernel test module re-runs itself in a fresh
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from sparse import kernels
-from sparse.format import pack, unpack
+from sparse.format import pack
 
 interpreted = pytest.mark.skipif(not kernels.INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess")
 
@@ -42,30 +42,3 @@ def case_seed(*parts) -> int:
     """A seed fixed by the test case (Python's str hash changes every process, so a failure seeded
     with it could not be reproduced)."""
     return zlib.crc32(repr(parts).encode()) % 1000
-
-
-def sparse_model_and_float64_reference(rows, device="cpu", dtype=torch.float32):
-    """A two-layer 2:4 model after a 5-token prefill of `rows` prompts, the same model with the
-    unpacked weights in float64 on the CPU, and the token of the decode step to feed both."""
-    from model import ModelArgs, Transformer
-    from sparse import SparseLinear, swap_to_sparse
-    torch.manual_seed(0)
-    config = ModelArgs(dim=64, n_layer=2, n_head=4, n_local_heads=2, intermediate_size=96, vocab_size=50,
-                       block_size=32)
-    model = Transformer(config).eval()
-    for norm in [m for m in model.modules() if type(m).__name__ == "RMSNorm"]:
-        norm.weight.data = 1 + 0.3 * torch.randn_like(norm.weight)  # not all ones: the fused scale counts
-    swap_to_sparse(model, "2:4")
-    model = model.to(device=device, dtype=dtype)
-    reference = Transformer(config).double().eval()
-    reference.load_state_dict({name: tensor.double().cpu() for name, tensor in model.state_dict().items()
-                               if not name.endswith((".values", ".mask"))}, strict=False)
-    for name, module in model.named_modules():
-        if isinstance(module, SparseLinear):
-            reference.get_submodule(name).weight.data = unpack(module.values, module.mask).double().cpu()
-    tokens = torch.randint(0, 50, (rows, 6))
-    model.setup_caches(rows, 16)
-    reference.setup_caches(rows, 16)
-    model(tokens[:, :5].to(device), torch.arange(5, device=device))
-    reference(tokens[:, :5], torch.arange(5))
-    return model, reference, tokens[:, 5:]

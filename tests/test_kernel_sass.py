@@ -42,34 +42,6 @@ def test_packed_x_halves_the_shuffles():
         assert report["shfl"] == shuffles and report["ffma"] == 128 and report["flo"] == 16, packed_x
 
 
-def test_grid_dependent_spmv_loads_its_first_weights_before_waiting():
-    # Programmatic dependent launch (grid_dependency.py): the release (PREEXIT) first, then the
-    # first words' mask (32-bit) and values (128-bit loads), then the wait (ACQBULK), and x
-    # (16-bit loads through L1) only after it; no spills, the loop as without or nearly (the gated
-    # one's x addresses, derived from the wait's result, cost 4 IMAD and a LEA: 140 -> 145).
-    for variant in ("norm", "gated"):
-        plain, dependent = (kernel_sass.compile_spmv(kernel_sass.kernels_module(), batch=1, slices=4, prefetch=2,
-                                                     variant=variant, grid_dependent=g) for g in (False, True))
-        release, mask, values, wait, x = (kernel_sass.first_at(dependent["sass"], start) for start in
-                                          ("PREEXIT", "LDG.E.STRONG.GPU", "LDG.E.128", "ACQBULK", "LDG.E.U16"))
-        assert 0 <= release < min(mask, values) and max(mask, values) < wait < x, (variant, release, mask, values,
-                                                                                   wait, x)
-        assert kernel_sass.first_at(plain["sass"], "PREEXIT", "ACQBULK") == -1, variant
-        assert dependent["loop"] <= 1.04 * plain["loop"] and dependent["spill_bytes"] == 0, variant
-        assert dependent["registers"] <= plain["registers"] + 8, (variant, plain["registers"], dependent["registers"])
-
-
-def test_grid_dependent_attention_waits_before_its_first_load_and_keeps_its_loop():
-    # The attention's inputs all come from kernels ahead: release, wait, then loads. The wait's zero
-    # goes into the row index, not the pointers (there it hid their alignment and the loop grew 4.5x).
-    plain, dependent = (kernel_sass.compile_partial_attention(True, merge=True, stages=2, grid_dependent=g)
-                        for g in (False, True))
-    sass = dependent["sass"]
-    assert 0 <= kernel_sass.first_at(sass, "PREEXIT") < kernel_sass.first_at(sass, "ACQBULK") < kernel_sass.first_at(
-        sass, "LDG")
-    assert (dependent["loop"], dependent["registers"], dependent["spill_bytes"]) == (plain["loop"], plain["registers"], 0)
-
-
 def test_rope_cache_write_and_merge_leave_the_attention_loop_alone():
     # RoPE and the store run once a program, before the slot loop, and the merge once, after it:
     # the loop must not grow by more than a few instructions (substituting the new slot

@@ -9,8 +9,7 @@ import torch
 
 from sparse import kernels
 from sparse.format import unpack
-from tests.sparse_kernel_testing import (case_seed, interpreted, random_packed, relative_error, rerun_under_interpreter,
-                                         sparse_model_and_float64_reference)
+from tests.sparse_kernel_testing import case_seed, interpreted, random_packed, relative_error, rerun_under_interpreter
 
 PATTERNS = ["2:4", "4:8", "8:16", "16:32", "1:4"]
 
@@ -139,6 +138,33 @@ def test_spmv_rejects_fused_operands_of_the_wrong_shape():
         kernels.spmv(torch.randn(1, 64), values, mask, residual=torch.ones(1, 9))
     with pytest.raises(ValueError, match=r"either a norm or gated, not both"):
         kernels.spmv(torch.randn(1, 128), values, mask, norm_weight=torch.ones(64), gated=True)
+
+
+def sparse_model_and_float64_reference(rows, device="cpu", dtype=torch.float32):
+    """A two-layer 2:4 model after a 5-token prefill of `rows` prompts, the same model with the
+    unpacked weights in float64 on the CPU, and the token of the decode step to feed both."""
+    from model import ModelArgs, Transformer
+    from sparse import SparseLinear, swap_to_sparse
+    torch.manual_seed(0)
+    config = ModelArgs(dim=64, n_layer=2, n_head=4, n_local_heads=2, intermediate_size=96, vocab_size=50,
+                       block_size=32)
+    model = Transformer(config).eval()
+    for norm in [m for m in model.modules() if type(m).__name__ == "RMSNorm"]:
+        norm.weight.data = 1 + 0.3 * torch.randn_like(norm.weight)  # not all ones: the fused scale counts
+    swap_to_sparse(model, "2:4")
+    model = model.to(device=device, dtype=dtype)
+    reference = Transformer(config).double().eval()
+    reference.load_state_dict({name: tensor.double().cpu() for name, tensor in model.state_dict().items()
+                               if not name.endswith((".values", ".mask"))}, strict=False)
+    for name, module in model.named_modules():
+        if isinstance(module, SparseLinear):
+            reference.get_submodule(name).weight.data = unpack(module.values, module.mask).double().cpu()
+    tokens = torch.randint(0, 50, (rows, 6))
+    model.setup_caches(rows, 16)
+    reference.setup_caches(rows, 16)
+    model(tokens[:, :5].to(device), torch.arange(5, device=device))
+    reference(tokens[:, :5], torch.arange(5))
+    return model, reference, tokens[:, 5:]
 
 
 @interpreted
