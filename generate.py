@@ -35,7 +35,6 @@ from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from checkpoint import CheckpointError, load_checkpoint
-import topk_threshold
 from model import KVCache, Transformer
 from tokenizer import find_tokenizer, load_tokenizer
 
@@ -53,11 +52,6 @@ ARGMAX_CHUNKS = 64
 # Llama-3 step (docs/BENCHMARKS.md, session 8). 0: one torch.topk. Off: in 64 slices it took 75 µs a
 # step at batch 1 and 149 at batch 8 against 43 and 48 (each slice gets torch's single-block select).
 TOPK_CHUNKS = 0
-# Top-k sampling without top-p needs only the row's k-th largest logit: topk_threshold.kth_largest
-# finds it with two Triton kernels (each slice's k largest, then a binary search over those) where
-# torch.topk took ~19 launches and ~51 µs of a batch-1 Llama-3 step (docs/BENCHMARKS.md session 20).
-# Off until timed on the GPU (built in session 20 without one; docs/KERNEL_NOTES.md).
-TOPK_KERNEL = False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -118,18 +112,14 @@ def kept_logits(logits: Tensor, temperature: float = 1.0, top_k: Optional[int] =
     logits = logits.float() / temperature
     if top_k is not None or top_p is not None:
         k = logits.shape[-1] if top_k is None else min(top_k, logits.shape[-1])
-        if top_p is None and TOPK_KERNEL:
-            rows = logits.reshape(-1, logits.shape[-1])
-            threshold = topk_threshold.kth_largest(rows, k).reshape(*logits.shape[:-1], 1)
-        else:
-            # Unsorted unless top-p needs the order: on CUDA the sort is a kernel of its own (21 us
-            # of a Llama-3 step at k=200, docs/BENCHMARKS.md), and top-k alone needs only the k-th value.
-            ranked = top_values(logits, k, sorted=top_p is not None)  # sorted: descending
-            if top_p is not None:
-                ranked_probs = torch.softmax(ranked, dim=-1)  # renormalised over the top-k, as if top-k ran first
-                mass_before = ranked_probs.cumsum(dim=-1) - ranked_probs
-                ranked = ranked.masked_fill(mass_before >= top_p, float("inf"))  # mass already reached: drop
-            threshold = ranked.min(dim=-1, keepdim=True).values
+        # Unsorted unless top-p needs the order: on CUDA the sort is a kernel of its own (21 us
+        # of a Llama-3 step at k=200, docs/BENCHMARKS.md), and top-k alone needs only the k-th value.
+        ranked = top_values(logits, k, sorted=top_p is not None)  # sorted: descending
+        if top_p is not None:
+            ranked_probs = torch.softmax(ranked, dim=-1)  # renormalised over the top-k, as if top-k ran first
+            mass_before = ranked_probs.cumsum(dim=-1) - ranked_probs
+            ranked = ranked.masked_fill(mass_before >= top_p, float("inf"))  # mass already reached: drop
+        threshold = ranked.min(dim=-1, keepdim=True).values
         logits = logits.masked_fill(logits < threshold, float("-inf"))
     return logits
 

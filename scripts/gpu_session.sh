@@ -85,8 +85,6 @@
 #   decode_spmm_stages_b816  the SpMM's K loop pipelined by Triton among the tuner's candidates (spmm.DECODE_STAGES,
 #                   session 19): its GPU tests on the Llama shapes, then Llama-3.1-8B 2:4 at batch 8 and 16 with
 #                   --profile, this tree against the hand-pipelined loop alone, one process each (~7)
-#   decode_topk_kernel_b1  the top-k threshold kernels' GPU tests, then Llama-3.1-8B 2:4 at batch 1 with --profile:
-#                   torch.topk (this tree) against topk_threshold.kth_largest (generate.TOPK_KERNEL) (~5)
 #   decode_spmm_from4_b4  Llama-3.1-8B 2:4 at batch 4 with --profile: this tree (the SpMV) against the SpMM from 4
 #                   rows (worth a run if the pipelined SpMM beats the SpMV's ~89 µs a layer at 8 rows) (~4)
 #   decode_spmm_ab_b8  Llama-3.1-8B 2:4 at batch 8: this tree (the tensor-core SpMM from 8 rows for 2:4) against
@@ -119,7 +117,6 @@ SPMM_HAND_LOOP="sparse/spmm.py:s/^DECODE_STAGES = (3,)/DECODE_STAGES = ()/"
 SPMM_FROM4="sparse/linear.py:s/^SPMM_MIN_ROWS_2OF4 = 8/SPMM_MIN_ROWS_2OF4 = 4/"
 ARGMAX_WHOLE="generate.py:s/^ARGMAX_CHUNKS = 64/ARGMAX_CHUNKS = 0/"
 TOPK64="generate.py:s/^TOPK_CHUNKS = 0/TOPK_CHUNKS = 64/"
-TOPK_KERNEL="generate.py:s/^TOPK_KERNEL = False/TOPK_KERNEL = True/"
 V_WITH_K="decode_attention.py:s/^LOAD_V_WITH_K = False/LOAD_V_WITH_K = True/"
 PLAIN_LOOP="decode_attention.py:s/^PIPELINE_STAGES = 2/PIPELINE_STAGES = 1/"
 PROGRAMS1056="decode_attention.py:s/^PROGRAMS_TARGET = 264 /PROGRAMS_TARGET = 1056 /"
@@ -163,7 +160,6 @@ declare -A JOBS=(
   [dense_spread]="OUT=\$JOB bash scripts/dense_spread.sh 2"
   [dense_placement]="python3 scripts/dense_placement.py --placements 4 --arena --out \$JOB"
   [decode_spmm_stages_b816]="python3 -m pytest -q -m gpu tests/test_sparse_spmm.py -k 'llama_shapes and nibble and not prefetched'; OUT=\$JOB bash scripts/decode_variants.sh 1 'base=' 'hand_loop=$SPMM_HAND_LOOP' -- --models Llama-3.1-8B --patterns 2:4 --batch_sizes 8,16 --profile"
-  [decode_topk_kernel_b1]="python3 -m pytest -q -m gpu tests/test_topk_threshold.py; OUT=\$JOB bash scripts/decode_variants.sh 1 'torch_topk=' 'topk_kernel=$TOPK_KERNEL' -- --models Llama-3.1-8B --patterns 2:4 --batch_sizes 1 --profile"
   [decode_spmm_from4_b4]="OUT=\$JOB bash scripts/decode_variants.sh 1 'base=' 'spmm_from4=$SPMM_FROM4' -- --models Llama-3.1-8B --patterns 2:4 --batch_sizes 4 --profile"
   [decode_spmm_prefetch_b816]="python3 -m pytest -q -m gpu tests/test_sparse_spmm.py -k 'llama_shapes and prefetched'; OUT=\$JOB bash scripts/decode_variants.sh 1 'base=' 'prefetch=$PREFETCH_PAIRS' -- --models Llama-3.1-8B --patterns 2:4 --batch_sizes 8,16 --profile"
   [decode_spmm_ab_b8]="OUT=\$JOB bash scripts/decode_ab.sh '$NO_SPMM8' 1 8 -- --models Llama-3.1-8B --patterns 2:4"
