@@ -74,8 +74,8 @@
 #   decode_v_with_k_b148  Llama-3.1-8B 2:4 at batch 1, 4 and 8 with --profile, one process each: this tree, then the
 #                   attention loading each block's V with its K (decode_attention.LOAD_V_WITH_K) (~6)
 #   dense_spread    dense_spread.sh: our dense at batch 1 with --profile twice, each with a fresh Inductor cache,
-#                   then once more in the first's cache directory (which tuned anew, 2026-12-04), and the GEMV
-#                   configs each cache holds, named by kernel (~4 on a warm machine)
+#                   then once more in the first's cache directory (which tuned anew, 2026-12-04); each kernel's
+#                   pick beside the time the tuner measured for it and its time in the step (~4 on a warm machine)
 #   dense_placement dense_placement.py: our dense at batch 1 in ONE process, the weights moved to new memory four
 #                   times with the compiled kernels kept (the CUDA graph re-recorded, tokens checked), then all of
 #                   them in one allocation (~4)

@@ -1,49 +1,63 @@
-"""List the configs Inductor's autotuner picked, each beside the name of the kernel it tuned.
+"""Each kernel Inductor's coordinate descent tuned: the config it picked, the time it measured for
+that config while tuning, and (with a profile) the kernel's time a call inside the decode step.
 
-    python scripts/inductor_picks.py INDUCTOR_CACHE_DIR > picks.txt
+    TORCH_LOGS=+torch._inductor.runtime.coordinate_descent_tuner python3 scripts/bench_decode.py \
+        --patterns dense --profile --out runs/d > runs/d.log 2>&1
+    python scripts/inductor_picks.py runs/d.log runs/d/profile_Llama-3.1-8B_dense_b1.txt
 
-One line per *.best_config file (coordinate descent leaves one per tuned kernel): the file's name,
-the kernel's name as a profile shows it (triton_red_fused_..._8) or "?", and the config picked,
-without the fields that differ even for the same pick. dense_spread.sh uses it to set each dense
-GEMV's pick beside that kernel's time in the profile (the dense spread is the picks; BENCHMARKS
-session 19).
-
-How the name is found: a best_config records triton_cache_hash, the name of the directory Triton
-compiled that kernel into; Triton names the files there after the kernel (NAME.json, NAME.cubin,
-__grp__NAME.json). Inductor keeps Triton's cache inside its own (TRITON_CACHE_DIR when set). On
-2026-12-04 (session 20) the earlier guess, rebuilding the config file's name from each source
-file's path with Inductor's private AutotuneCache key helpers, named none of 23 picks.
+The tuner's debug log ends each kernel's search with "NAME: Improve from BASELINE T0 -> PICK T1,
+Rx" (torch/_inductor/runtime/coordinate_descent_tuner.py; times in ms). dense_spread.sh sets the
+two times side by side for every fresh process: a pick that measured fast while tuning and runs
+slow in the step says the tuner's measurement misleads it; one that measured slow says the search
+stopped early. (Naming the picks from the *.best_config files through Triton's cache named none
+of 20-23 on the H200, twice, on 2026-12-04.)
 """
-import json
-import os
-import pathlib
+import re
 import sys
+from pathlib import Path
 
-VARYING_FIELDS = ("time_taken_ms", "triton_cache_hash", "configs_hash")
-
-
-def kernel_names_by_triton_hash(roots: list[pathlib.Path]) -> dict[str, str]:
-    """{Triton cache directory name: kernel name} for every compiled kernel under roots."""
-    names = {}
-    for root in roots:
-        for group in root.rglob("__grp__*.json"):
-            names[group.parent.name] = group.name[len("__grp__"):-len(".json")]
-    return names
+SEARCH_END = re.compile(r"(?P<name>\w+): Improve from (?P<baseline>.*) (?P<baseline_ms>[\d.]+) -> "
+                        r"(?P<pick>.*) (?P<pick_ms>[\d.]+), [\d.]+x\s*$")
+PROFILE_ROW = re.compile(r"^\s*(?P<us_step>[\d.]+)\s+(?P<calls>[\d.]+)\s+(?P<name>\S+)")
 
 
-def picks(inductor_cache: pathlib.Path) -> list[str]:
-    roots = [inductor_cache] + [pathlib.Path(p) for p in [os.environ.get("TRITON_CACHE_DIR")] if p]
-    name_of = kernel_names_by_triton_hash(roots)
+def tuned_kernels(log_text: str) -> dict:
+    """{kernel name: (picked config, µs measured for it, µs measured for the baseline)}, the last
+    search of each name (a kernel compiled twice is tuned twice)."""
+    picks = {}
+    for line in log_text.splitlines():
+        found = SEARCH_END.search(line)
+        if found:
+            picks[found["name"]] = (found["pick"], 1000 * float(found["pick_ms"]), 1000 * float(found["baseline_ms"]))
+    return picks
+
+
+def step_times(profile_text: str) -> dict:
+    """{kernel name: µs a call} from a --profile table (its first block of rows)."""
+    times = {}
+    for line in profile_text.splitlines()[2:]:
+        if not line.strip():
+            break
+        row = PROFILE_ROW.match(line)
+        if row and float(row["calls"]) > 0:
+            times[row["name"]] = float(row["us_step"]) / float(row["calls"])
+    return times
+
+
+def report(log_text: str, profile_text: str = "") -> list[str]:
+    in_step = step_times(profile_text)
     lines = []
-    for path in sorted(inductor_cache.rglob("*.best_config")):
-        config = json.loads(path.read_text())
-        picked = {k: v for k, v in config.items() if k not in VARYING_FIELDS}
-        lines.append(f"{path.name} {name_of.get(config.get('triton_cache_hash'), '?')} "
-                     f"{json.dumps(picked, sort_keys=True)}")
+    for name, (pick, tuned_us, baseline_us) in tuned_kernels(log_text).items():  # in the order tuned
+        step = f"{in_step[name]:.1f}" if name in in_step else "-"
+        lines.append(f"{name} | tuned {tuned_us:.1f} us (baseline {baseline_us:.1f}) | in the step {step} us a call"
+                     f" | {pick}")
     return lines
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2 or not pathlib.Path(sys.argv[1]).is_dir():
-        sys.exit("usage: python scripts/inductor_picks.py INDUCTOR_CACHE_DIR (an existing directory)")
-    print("\n".join(picks(pathlib.Path(sys.argv[1]))))
+    if len(sys.argv) not in (2, 3) or not all(Path(p).is_file() for p in sys.argv[1:]):
+        sys.exit("usage: python scripts/inductor_picks.py RUN_LOG [PROFILE_TXT] (existing files; the log of a run "
+                 "with TORCH_LOGS=+torch._inductor.runtime.coordinate_descent_tuner)")
+    texts = [Path(p).read_text(errors="replace") for p in sys.argv[1:]]
+    lines = report(*texts)
+    print("\n".join(lines) if lines else "no coordinate-descent searches in the log (was TORCH_LOGS set?)")

@@ -1,41 +1,57 @@
-"""scripts/inductor_picks.py: each pick in an Inductor cache named after the kernel it tuned.
-
-The cache below is laid out as torch's Inductor and Triton's sources say they lay it out (a
-best_config beside the kernel's source; Triton's cache under triton/<device>/<hash>/, its files
-named after the kernel); not yet checked against a cache written on the H200."""
-import json
+"""scripts/inductor_picks.py: each kernel's pick from the coordinate-descent tuner's debug log, set
+beside the kernel's time in a decode-step profile. The log lines are the format
+torch/_inductor/runtime/coordinate_descent_tuner.py writes (behind torch's logging prefix); the
+profile is bench_decode.py --profile's table."""
 import subprocess
 import sys
 from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "inductor_picks.py"
+W2 = "triton_red_fused__unsafe_view_mm_mul_silu_split_t_view_5"
+QKV = "triton_red_fused_mm_t_transpose_unsqueeze_view_2"
+PICK = "XBLOCK: 1, R0_BLOCK: 2048, num_warps: 16, num_ctas: 1, num_stages: 1, maxnreg: None"
+BASELINE = "XBLOCK: 1, R0_BLOCK: 1024, num_warps: 8, num_ctas: 1, num_stages: 1, maxnreg: None"
+
+LOG = f"""\
+V1204 15:40:01.000000 123 torch/_inductor/runtime/coordinate_descent_tuner.py:382] = Do coordinate descent tuning for {W2} =
+V1204 15:40:01.000000 123 torch/_inductor/runtime/coordinate_descent_tuner.py:335] Tune from {BASELINE} 0.034000 -> {PICK} 0.029500
+V1204 15:40:02.000000 123 torch/_inductor/runtime/coordinate_descent_tuner.py:432] {W2}: Improve from {BASELINE} 0.034000 -> {PICK} 0.029500, 1.153x
+V1204 15:40:03.000000 123 torch/_inductor/runtime/coordinate_descent_tuner.py:432] {QKV}: Improve from {BASELINE} 0.011000 -> {BASELINE} 0.011000, 1.000x
+some other output
+"""
+
+PROFILE = f"""\
+255 decode steps (+ one prefill, included below); GPU kernel time per step 5229.4 us
+  us/step calls/step  kernel
+   1452.0      32.00  {W2}
+    146.0      16.00  {QKV}
+
+timeline: span 5400.0 us/step
+"""
 
 
-def write_pick(cache: Path, kernel: str, triton_hash: str, config: dict):
-    compiled = cache / "triton" / "0" / triton_hash
-    compiled.mkdir(parents=True)
-    for name in (f"__grp__{kernel}.json", f"{kernel}.json", f"{kernel}.cubin"):
-        (compiled / name).write_text("{}")
-    source_dir = cache / triton_hash[:2].lower()
-    source_dir.mkdir(exist_ok=True)
-    (source_dir / f"{triton_hash.lower()}.best_config").write_text(json.dumps(
-        {**config, "time_taken_ms": 0.03, "triton_cache_hash": triton_hash, "configs_hash": "c0ffee"}))
+def run(*paths):
+    return subprocess.run([sys.executable, str(SCRIPT), *map(str, paths)], capture_output=True, text=True)
 
 
-def test_each_pick_is_named_after_its_kernel_and_keeps_only_the_config(tmp_path):
-    w2 = {"R0_BLOCK": 2048, "XBLOCK": 1, "found_by_coordesc": True, "num_stages": 1, "num_warps": 16}
-    qkv = {"R0_BLOCK": 1024, "XBLOCK": 2, "found_by_coordesc": True, "num_stages": 1, "num_warps": 8}
-    write_pick(tmp_path, "triton_red_fused__unsafe_view_mm_mul_silu_split_t_view_8", "AB3XQ", w2)
-    write_pick(tmp_path, "triton_red_fused_mm_t_transpose_unsqueeze_view_5", "ZZ7KL", qkv)
-    # a pick whose compiled kernel is not in this cache keeps "?" for its name
-    (tmp_path / "orphan.best_config").write_text(json.dumps({**qkv, "triton_cache_hash": "GONE"}))
-    lines = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path)], capture_output=True, text=True,
-                           check=True).stdout.splitlines()
-    rows = {line.split(" ", 2)[1]: json.loads(line.split(" ", 2)[2]) for line in lines}
-    assert rows == {"triton_red_fused__unsafe_view_mm_mul_silu_split_t_view_8": w2,
-                    "triton_red_fused_mm_t_transpose_unsqueeze_view_5": qkv, "?": qkv}
+def test_each_pick_beside_its_tuned_time_and_its_time_in_the_step(tmp_path):
+    (tmp_path / "run.log").write_text(LOG)
+    (tmp_path / "profile.txt").write_text(PROFILE)
+    result = run(tmp_path / "run.log", tmp_path / "profile.txt")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [  # in the order tuned
+        f"{W2} | tuned 29.5 us (baseline 34.0) | in the step 45.4 us a call | {PICK}",
+        f"{QKV} | tuned 11.0 us (baseline 11.0) | in the step 9.1 us a call | {BASELINE}",
+    ]
 
 
-def test_a_missing_cache_directory_is_one_clear_error(tmp_path):
-    result = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path / "nowhere")], capture_output=True, text=True)
-    assert result.returncode != 0 and "an existing directory" in result.stderr
+def test_without_a_profile_the_step_column_is_empty_and_a_log_without_searches_says_so(tmp_path):
+    (tmp_path / "run.log").write_text(LOG)
+    assert f"{W2} | tuned 29.5 us (baseline 34.0) | in the step - us a call" in run(tmp_path / "run.log").stdout
+    (tmp_path / "quiet.log").write_text("nothing tuned here\n")
+    assert "was TORCH_LOGS set?" in run(tmp_path / "quiet.log").stdout
+
+
+def test_a_missing_log_is_one_clear_error(tmp_path):
+    result = run(tmp_path / "nowhere.log")
+    assert result.returncode != 0 and "existing files" in result.stderr
