@@ -32,6 +32,9 @@
 #                   in session 20) (~4)
 #   new_gpu_tests   only the GPU tests written in sessions 14-15 without a GPU: the SpMM's 2:4 nibble
 #                   expansion, RoPE and the KV write inside the decode attention, its merge in the last split (~3)
+#   load_probe      load_probe.py: the batch-1 SpMV's weight reads alone (its grid and loads, no arithmetic) in the
+#                   packed layout and interleaved into one run a warp, beside the SpMV and cuBLAS, Llama-3.1-8B
+#                   shapes and 5120x5120 (~1)
 #   kernel_ncu      Nsight Compute (full set, SASS source page with stall samples) of the tuned batch-1
 #                   SpMV on 4096x4096, 28672x4096 and 4096x14336 (~2)
 #   spmm_ncu        kernel_ncu's profile of the tuned 2:4 SpMM at 8 rows (the batch-8 decode step's kernel) (~2)
@@ -138,6 +141,7 @@ declare -A JOBS=(
   [spmm_gpu_tests]="python3 -m pytest -v -m gpu tests/test_sparse_spmm.py"
   [attention_gpu_tests]="python3 -m pytest -v -m gpu tests/test_decode_attention.py tests/test_sparse_linear.py tests/test_generate.py"
   [decode_gpu_tests]="python3 -m pytest -v -m gpu tests/test_sparse_kernels.py tests/test_sparse_linear.py tests/test_decode_attention.py tests/test_generate.py"
+  [load_probe]="python3 scripts/load_probe.py --shapes 6144x4096,4096x4096,28672x4096,4096x14336,5120x5120 > \$JOB/load_probe.md; cat \$JOB/load_probe.md"
   [kernel_ncu]="ncu --clock-control none --nvtx --nvtx-include 'spmv/' --set full --import-source yes -o \$JOB/spmv python3 scripts/bench_kernel.py --ncu-shapes 4096x4096,28672x4096,4096x14336 --out-json \$JOB/targets.json && ncu -i \$JOB/spmv.ncu-rep --page details --csv > \$JOB/details.csv && ncu -i \$JOB/spmv.ncu-rep --page source --print-source sass --csv > \$JOB/source_sass.csv"
   [spmm_ncu]="ncu --clock-control none --nvtx --nvtx-include 'spmm/' --set full --import-source yes -o \$JOB/spmm python3 scripts/bench_kernel.py --ncu-shapes 4096x4096,28672x4096,4096x14336 --ncu-batch 8 --out-json \$JOB/targets.json && ncu -i \$JOB/spmm.ncu-rep --page details --csv > \$JOB/details.csv && ncu -i \$JOB/spmm.ncu-rep --page source --print-source sass --csv > \$JOB/source_sass.csv"
   [attention_table]="python3 scripts/bench_attention.py --out-md \$JOB/attention.md --out-json \$JOB/attention.json"
