@@ -8,10 +8,22 @@
 # Each run logs Inductor's coordinate-descent searches (TORCH_LOGS), and picks_N.txt sets each
 # kernel's pick, the time the tuner measured for it, and its time a call in the step side by side
 # (scripts/inductor_picks.py): whether a slow process's slow kernel also measured slow while tuning.
-#   usage: OUT=dir scripts/dense_spread.sh [N]     (~1.1 min a process on a warm H200)
+# VARIANT='FILE:SED' (optional): every process runs with this edit made to the tree, restored on
+# exit, e.g. a wider coordinate-descent search in generate.py's INDUCTOR_OPTIONS (gpu_session.sh
+# dense_spread_wide).
+#   usage: [VARIANT='FILE:SED'] OUT=dir scripts/dense_spread.sh [N]     (~1.1 min a process on a warm H200)
 set -uo pipefail
 n=${1:-2}
 mkdir -p "$OUT"
+if [[ -n ${VARIANT:-} ]]; then
+  edited=${VARIANT%%:*} expr=${VARIANT#*:}
+  original=$(mktemp)
+  cp "$edited" "$original"
+  trap 'cp "$original" "$edited"; rm -f "$original"' EXIT
+  trap 'exit 143' TERM INT  # a job's timeout: exit through the EXIT trap, so the tree is restored
+  sed -i "$expr" "$edited"
+  if cmp -s "$edited" "$original"; then echo "dense_spread: '$expr' changed nothing in $edited" >&2; exit 2; fi
+fi
 
 dense_run() {  # dense_run LABEL CACHE_DIR
   TORCHINDUCTOR_CACHE_DIR=$2 TORCH_LOGS=+torch._inductor.runtime.coordinate_descent_tuner \

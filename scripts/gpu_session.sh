@@ -79,6 +79,9 @@
 #   dense_spread    dense_spread.sh: our dense at batch 1 with --profile twice, each with a fresh Inductor cache,
 #                   then once more in the first's cache directory (which tuned anew, 2026-12-04); each kernel's
 #                   pick beside the time the tuner measured for it and its time in the step (~4 on a warm machine)
+#   dense_spread_wide  the same with Inductor's coordinate descent searching wider (every direction, radius 2:
+#                   generate.py's INDUCTOR_OPTIONS edited for the job); worth a run if dense_spread's picks show the
+#                   slow process's search stopping at a config it measured slow (~5)
 #   dense_placement dense_placement.py: our dense at batch 1 in ONE process, the weights moved to new memory four
 #                   times with the compiled kernels kept (the CUDA graph re-recorded, tokens checked), then all of
 #                   them in one allocation (~4)
@@ -123,6 +126,7 @@ TOPK64="generate.py:s/^TOPK_CHUNKS = 0/TOPK_CHUNKS = 64/"
 V_WITH_K="decode_attention.py:s/^LOAD_V_WITH_K = False/LOAD_V_WITH_K = True/"
 PLAIN_LOOP="decode_attention.py:s/^PIPELINE_STAGES = 2/PIPELINE_STAGES = 1/"
 PROGRAMS1056="decode_attention.py:s/^PROGRAMS_TARGET = 264 /PROGRAMS_TARGET = 1056 /"
+WIDE_COORDESC="generate.py:s/^INDUCTOR_OPTIONS = {/INDUCTOR_OPTIONS = {\x22coordinate_descent_check_all_directions\x22: True, \x22coordinate_descent_search_radius\x22: 2, /"
 declare -A JOBS=(
   [gpu_tests]="python3 -m pytest -v -m gpu tests"
   [prefill_slices]="python3 -m pytest -q -m gpu tests/test_sparse_kernels.py -k prefill_matmul; for n in 1 4; do python3 scripts/bench_kernel.py --batches 2048 --no-semi --prefill-slices \$n --out-md \$JOB/slices\$n.md --out-json \$JOB/slices\$n.json; done"
@@ -162,6 +166,7 @@ declare -A JOBS=(
   [decode_pending_b18]="OUT=\$JOB bash scripts/decode_variants.sh 1 'base=' 'prefetch=$PREFETCH_PAIRS' 'v_with_k=$V_WITH_K' 'sampling=$TOPK64' -- --models Llama-3.1-8B --patterns 2:4 --batch_sizes 1,8 --profile"
   [decode_v_with_k_b148]="OUT=\$JOB bash scripts/decode_variants.sh 1 'base=' 'v_with_k=$V_WITH_K' -- --models Llama-3.1-8B --patterns 2:4 --batch_sizes 1,4,8 --profile"
   [dense_spread]="OUT=\$JOB bash scripts/dense_spread.sh 2"
+  [dense_spread_wide]="VARIANT='$WIDE_COORDESC' OUT=\$JOB bash scripts/dense_spread.sh 2"
   [dense_placement]="python3 scripts/dense_placement.py --placements 4 --arena --out \$JOB"
   [decode_spmm_stages_b816]="python3 -m pytest -q -m gpu tests/test_sparse_spmm.py -k 'llama_shapes and nibble and not prefetched'; OUT=\$JOB bash scripts/decode_variants.sh 1 'base=' 'hand_loop=$SPMM_HAND_LOOP' -- --models Llama-3.1-8B --patterns 2:4 --batch_sizes 8,16 --profile"
   [decode_spmm_from4_b4]="OUT=\$JOB bash scripts/decode_variants.sh 1 'base=' 'spmm_from4=$SPMM_FROM4' -- --models Llama-3.1-8B --patterns 2:4 --batch_sizes 4 --profile"
