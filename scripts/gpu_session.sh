@@ -88,9 +88,6 @@
 #   decode_spmm_prefetch_b816  the SpMM's 2:4 value pairs loaded a K step ahead (spmm.PREFETCH_2OF4_PAIRS): its GPU
 #                   test on the Llama shapes, then Llama-3.1-8B 2:4 at batch 8 and 16 with --profile, this tree
 #                   against the prefetch on, one process each (~6)
-#   decode_spmm_stages_b816  the SpMM's K loop pipelined by Triton among the tuner's candidates (spmm.DECODE_STAGES,
-#                   session 19): its GPU tests on the Llama shapes, then Llama-3.1-8B 2:4 at batch 8 and 16 with
-#                   --profile, this tree against the hand-pipelined loop alone, one process each (~7)
 #   decode_spmm_from4_b4  Llama-3.1-8B 2:4 at batch 4 with --profile: this tree (the SpMV) against the SpMM from 4
 #                   rows (worth a run if the pipelined SpMM beats the SpMV's ~89 µs a layer at 8 rows) (~4)
 #   decode_spmm_ab_b8  Llama-3.1-8B 2:4 at batch 8: this tree (the tensor-core SpMM from 8 rows for 2:4) against
@@ -119,7 +116,6 @@ NO_MERGE="decode_attention.py:s/^MERGE_IN_LAST_SPLIT = True/MERGE_IN_LAST_SPLIT 
 NO_ROPE="decode_attention.py:s/^FUSE_ROPE_AND_CACHE_WRITE = True/FUSE_ROPE_AND_CACHE_WRITE = False/"
 NO_SPMM8="sparse/linear.py:s/^SPMM_MIN_ROWS_2OF4 = 8/SPMM_MIN_ROWS_2OF4 = 9/"
 PREFETCH_PAIRS="sparse/spmm.py:s/^PREFETCH_2OF4_PAIRS = False/PREFETCH_2OF4_PAIRS = True/"
-SPMM_HAND_LOOP="sparse/spmm.py:s/^DECODE_STAGES = (3,)/DECODE_STAGES = ()/"
 SPMM_FROM4="sparse/linear.py:s/^SPMM_MIN_ROWS_2OF4 = 8/SPMM_MIN_ROWS_2OF4 = 4/"
 ARGMAX_WHOLE="generate.py:s/^ARGMAX_CHUNKS = 64/ARGMAX_CHUNKS = 0/"
 TOPK64="generate.py:s/^TOPK_CHUNKS = 0/TOPK_CHUNKS = 64/"
@@ -168,7 +164,6 @@ declare -A JOBS=(
   [dense_spread]="OUT=\$JOB bash scripts/dense_spread.sh 2"
   [dense_spread_wide]="VARIANT='$WIDE_COORDESC' OUT=\$JOB bash scripts/dense_spread.sh 2"
   [dense_placement]="python3 scripts/dense_placement.py --placements 4 --arena --out \$JOB"
-  [decode_spmm_stages_b816]="python3 -m pytest -q -m gpu tests/test_sparse_spmm.py -k 'llama_shapes and nibble and not prefetched'; OUT=\$JOB bash scripts/decode_variants.sh 1 'base=' 'hand_loop=$SPMM_HAND_LOOP' -- --models Llama-3.1-8B --patterns 2:4 --batch_sizes 8,16 --profile"
   [decode_spmm_from4_b4]="OUT=\$JOB bash scripts/decode_variants.sh 1 'base=' 'spmm_from4=$SPMM_FROM4' -- --models Llama-3.1-8B --patterns 2:4 --batch_sizes 4 --profile"
   [decode_spmm_prefetch_b816]="python3 -m pytest -q -m gpu tests/test_sparse_spmm.py -k 'llama_shapes and prefetched'; OUT=\$JOB bash scripts/decode_variants.sh 1 'base=' 'prefetch=$PREFETCH_PAIRS' -- --models Llama-3.1-8B --patterns 2:4 --batch_sizes 8,16 --profile"
   [decode_spmm_ab_b8]="OUT=\$JOB bash scripts/decode_ab.sh '$NO_SPMM8' 1 8 -- --models Llama-3.1-8B --patterns 2:4"

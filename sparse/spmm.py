@@ -45,8 +45,10 @@ Nsight Compute without it (session 18) still has the expansion's PRMT waiting on
 Decode candidates also run the K loop as Triton's software pipeline (`tl.range(num_stages=3)`,
 DECODE_STAGES): every load of a 2:4 step (mask words, value pairs, x) becomes an asynchronous copy
 to shared memory issued two steps ahead, at 377 loop instructions instead of 280 (11.8 per kept
-weight, under the 17.7 budget) and 72 registers instead of 86. The tuner times both loops per
-shape and keeps the faster (not yet timed on the GPU: docs/KERNEL_NOTES.md session 19).
+weight, under the 17.7 budget) and 72 registers instead of 86. Timed on the H200 it lost to the
+hand-pipelined loop on every Llama-3.1-8B shape (20-37 % slower at 8 rows, never the tuner's pick
+at 8 or 16 rows: docs/BENCHMARKS.md sessions 20-21), so the tuner no longer times it
+(DECODE_STAGES); `spmm(config=...)` still runs it.
 
 Where the grid would be too small to fill the GPU, K is split over programs; their fp32
 partial sums meet in the workspace that `kernels.spmv` also uses (`_store_or_reduce`).
@@ -75,10 +77,11 @@ EXPAND_2OF4_BY_NIBBLE = True
 # (predicted 85-100; docs/KERNEL_NOTES.md, session 17), though session 18's profile without it still
 # shows the expansion waiting on those loads (see the module docstring).
 PREFETCH_2OF4_PAIRS = False
-# Decode candidates also time the K loop software-pipelined by Triton over these stages
-# (`_spmm_kernel`'s STAGES; the tuner keeps the hand-pipelined loop where it is faster). Added in
-# session 19 without a GPU run: docs/KERNEL_NOTES.md says what it should move. () turns them off.
-DECODE_STAGES = (3,)
+# Decode candidates may also time the K loop software-pipelined by Triton over these stages
+# (`_spmm_kernel`'s STAGES). Off: at (3,) the tuner compiled and timed twice the candidates and
+# picked the hand loop for every shape at 8 and 16 rows (the fastest 3-stage candidate 20-37 %
+# slower at 8 rows; docs/BENCHMARKS.md sessions 20-21).
+DECODE_STAGES = ()
 
 
 @triton.jit
