@@ -325,6 +325,9 @@ def _spmv_kernel(x_ptr, values_ptr, mask_ptr, y_ptr, workspace_ptr, arrivals_ptr
         square_sums_ptr = workspace_ptr + batch_rows * n_rows + tl.program_id(0) * BATCH + lanes
         if tl.num_programs(1) > 1:
             tl.atomic_add(square_sums_ptr, square_sums, mask=lanes < batch_rows, sem="relaxed")
+    if RESIDUAL:  # loaded by every program before the split-K arrival, so the last one to arrive
+        # does not wait a further round trip for it after its sums (64 B a row block and row of x)
+        residual = tl.load(residual_ptr + out_offsets, mask=out_ok, other=0.0)
     total, last = _sum_splits(acc, workspace_ptr, arrivals_ptr, tl.program_id(0), out_offsets, out_ok,
                               tl.num_programs(1))
     if last:  # this program holds the whole row sum: apply the epilogue and store
@@ -335,7 +338,7 @@ def _spmv_kernel(x_ptr, values_ptr, mask_ptr, y_ptr, workspace_ptr, arrivals_ptr
                                              mask=lanes < batch_rows).to(tl.float32, bitcast=True)
             total = total * tl.rsqrt(square_sums / (n_words * 32) + norm_eps)[None, :]
         if RESIDUAL:
-            total += tl.load(residual_ptr + out_offsets, mask=out_ok, other=0.0).to(tl.float32)
+            total += residual.to(tl.float32)
         tl.store(y_ptr + out_offsets, total.to(y_ptr.dtype.element_ty), mask=out_ok)
 
 

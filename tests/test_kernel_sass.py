@@ -1,5 +1,6 @@
 """scripts/kernel_sass.py: the SpMV compiles for sm_90a without a GPU, and the properties the
 kernel's design rests on hold in its machine code (docs/KERNEL_NOTES.md)."""
+import re
 import sys
 from pathlib import Path
 
@@ -30,6 +31,17 @@ def test_fused_prologues_cost_one_load_per_word():
         assert report["mufu"] == (1 if variant == "gated" else 0), variant
         assert report["loads"] == 5 and report["shared"] == 0, variant
         assert report["loop"] / report["kept_weights"] < 10, variant
+
+
+def test_residual_is_loaded_before_the_split_k_arrival():
+    # The residual (o and w2 at batch 1) is read by every program before it adds its partial sums
+    # and counts its arrival, not by the last program after them: its L2 round trip overlaps the
+    # partial sums' instead of following the arrival's and the exchange's.
+    instructions = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([^;]*);", kernel_sass.compile_spmv(
+        kernel_sass.kernels_module(), batch=1, slices=4, prefetch=2, variant="gated")["sass"])
+    residual_load = next(i for i, text in enumerate(instructions) if text.startswith("LDG.E.U16 "))  # not x's .SM
+    arrival = next(i for i, text in enumerate(instructions) if text.startswith("ATOMG"))
+    assert residual_load < arrival, (residual_load, arrival)
 
 
 def test_packed_x_halves_the_shuffles():
