@@ -41,14 +41,15 @@ SPMM_PREFILL = False
 # alone is wrong for some shapes on either side of it: at 8 rows, 2:4, the SpMV beat the SpMM on
 # 4096x4096 (12.7 against 15.5 µs) while the SpMM won on 28672x4096 (56.0 against 67.6) (H200,
 # docs/BENCHMARKS.md session 15). Off CUDA (the interpreter), and while a graph is being captured
-# before the route is known, the threshold decides. Built in session 20 without a GPU run.
+# before the route is known, the threshold decides. On the H200 (session 21) it sent 4096x4096 to
+# the SpMV and the other Llama-3.1-8B shapes to the SpMM at 8 rows: the 2:4 step 4.910 -> 4.812 ms.
 MEASURED_ROUTE = True
 MEASURED_ROUTE_MIN_ROWS = 8
 # Prefill expands the weight in this many slices of rows, on a second CUDA stream, each slice's
 # cuBLAS GEMM overlapping the next slice's expansion (`prefill_matmul`): the expansion is DRAM-bound
 # (2.7-3.1 TB/s) and the GEMM at 2048 tokens compute-bound, so apart the expansion adds 5-12 % to
 # the GEMM (0.89-0.98x of dense, docs/BENCHMARKS.md session 10). 1: expand it whole, then one GEMM.
-# Off until timed (built in session 19 without a GPU run; docs/KERNEL_NOTES.md says what it should move).
+# Timed in session 20 at 4 slices: the same or slower on 15 of 16 shapes (docs/BENCHMARKS.md), so 1.
 PREFILL_SLICES = 1
 # From this many rows of x the prologue (RMSNorm, silu(gate) * up) runs as its own small kernel
 # before the SpMV, which then only fuses the residual: inside the SpMV every row block repeats the
