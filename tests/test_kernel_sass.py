@@ -95,9 +95,9 @@ def test_2of4_prefetched_pairs_stay_in_budget():
 
 def test_pipelined_2of4_spmm_copies_every_load_ahead():
     # STAGES 3 (the Triton-pipelined K loop; out of the tuner's candidates since session 21, see
-    # spmm.DECODE_STAGES, but `spmm(config=...)` runs it): Triton's pipeliner must take all of the 2:4 K loop's loads
-    # (mask words, value pairs, x) into asynchronous copies, within the issue budget (17.7 a kept
-    # weight), without spills, and in shared memory for four programs an SM.
+    # spmm.DECODE_STAGES, but `spmm(config=...)` runs it): Triton's pipeliner must take all of the
+    # 2:4 K loop's loads (mask words, value pairs, x) into asynchronous copies, within the issue
+    # budget (17.7 a kept weight), without spills, and in shared memory for four programs an SM.
     hand, pipelined = (kernel_sass.compile_spmm(True, stages=s) for s in (1, 3))
     assert hand["mix"].get("LDG", 0) > 0 and pipelined["mix"].get("LDG", 0) == 0, (hand["mix"], pipelined["mix"])
     assert pipelined["mix"].get("LDGSTS", 0) >= 3, pipelined["mix"]
