@@ -112,8 +112,8 @@ def kept_logits(logits: Tensor, temperature: float = 1.0, top_k: Optional[int] =
     logits = logits.float() / temperature
     if top_k is not None or top_p is not None:
         k = logits.shape[-1] if top_k is None else min(top_k, logits.shape[-1])
-        # Unsorted unless top-p needs the order: on CUDA the sort is a kernel of its own (21 us
-        # of a Llama-3 step at k=200, docs/BENCHMARKS.md), and top-k alone needs only the k-th value.
+        # Unsorted unless top-p needs the order: on CUDA the sort is a kernel of its own (21 us of
+        # a Llama-3 step at k=200, docs/BENCHMARKS.md), and top-k alone needs only the k-th value.
         ranked = top_values(logits, k, sorted=top_p is not None)  # sorted: descending
         if top_p is not None:
             ranked_probs = torch.softmax(ranked, dim=-1)  # renormalised over the top-k, as if top-k ran first

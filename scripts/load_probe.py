@@ -95,8 +95,7 @@ def interleave(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """The packed weight's 32-bit words as one buffer [row blocks, words, 32 mask words + the 32 rows'
     values chunk by chunk] (the "interleaved" layout)."""
     n_words, n_rows = mask.shape
-    chunks_total, _, chunk = values.shape
-    chunks = chunks_total // n_words
+    chunks = values.shape[0] // n_words
     values_u32 = values.contiguous().view(torch.int32).view(n_words, chunks, n_rows // 32, 32, -1)
     mask_blocks = mask.view(n_words, n_rows // 32, 32).permute(1, 0, 2)
     value_blocks = values_u32.permute(2, 0, 1, 3, 4).reshape(n_rows // 32, n_words, -1)
