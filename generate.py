@@ -21,6 +21,7 @@ sequence's prompt length and generated ids, so the caller knows which positions 
 """
 import argparse
 import contextlib
+import inspect
 import itertools
 import resource
 import sys
@@ -194,6 +195,38 @@ _compiled_functions = {}
 # generates and tunes itself; cuBLAS GEMV is markedly slower on the 4096-wide shapes.
 INDUCTOR_OPTIONS = {"coordinate_descent_tuning": True, "fx_graph_cache": True}
 
+# Inductor times each tuning candidate with CUDA events around a launch from Python. A decode
+# step's kernels (1-60 µs) are shorter than that launch (20-50 µs of Python), so the events time
+# the launch and the picks are noise: on 2026-12-04 a 1.9 µs kernel "tuned" at 22-47 µs, and three
+# fresh processes picked w2 GEMVs that ran 34-45 µs a call after timing them within 8 % of each
+# other (docs/KERNEL_NOTES.md, session 22). With this on, the tuner reads each candidate's time
+# from the profiler's device clock instead (Inductor's own do_bench_using_profiling, which it
+# offers for its bandwidth reports); our SpMV tuner avoids the same trap with CUDA graphs.
+TUNE_ON_DEVICE_CLOCK = True
+
+
+def tune_on_device_clock() -> None:
+    """Make Inductor's Triton autotuner (CachingAutotuner.bench, every config and coordinate-
+    descent candidate it times on a GPU) time with the profiler's device clock. Process-wide and
+    idempotent; leaves Inductor as it is, with a warning, if its bench() no longer takes the
+    with_profiler switch this relies on."""
+    from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+
+    bench = CachingAutotuner.bench
+    if getattr(bench, "on_device_clock", False):
+        return
+    if "with_profiler" not in inspect.signature(bench).parameters:
+        print("warning: this torch's Inductor autotuner has no with_profiler switch; its picks for the "
+              "decode step's kernels are timed with Python launches", file=sys.stderr)
+        return
+
+    def bench_on_device_clock(self, launcher, *args, with_profiler=False, **kwargs):
+        on_gpu = self.device_props.type != "cpu"
+        return bench(self, launcher, *args, with_profiler=with_profiler or on_gpu, **kwargs)
+
+    bench_on_device_clock.on_device_clock = True
+    CachingAutotuner.bench = bench_on_device_clock
+
 
 def compiled(fn, mode: Optional[str] = None, **compile_args):
     """torch.compile(fn, mode=mode, **compile_args) with INDUCTOR_OPTIONS, made once per process and
@@ -201,9 +234,12 @@ def compiled(fn, mode: Optional[str] = None, **compile_args):
 
     The options travel with this compile only (Inductor applies them as a config patch while it
     compiles), so importing or calling us leaves torch._inductor.config as the caller set it.
-    torch.compile takes `mode` or `options`, not both, so the mode's own options are merged in."""
+    torch.compile takes `mode` or `options`, not both, so the mode's own options are merged in.
+    Inductor's autotuner is switched to the device clock first (TUNE_ON_DEVICE_CLOCK), process-wide."""
     key = (fn, mode, tuple(sorted(compile_args.items())))
     if key not in _compiled_functions:
+        if TUNE_ON_DEVICE_CLOCK:
+            tune_on_device_clock()
         options = {**(torch._inductor.list_mode_options(mode) if mode else {}), **INDUCTOR_OPTIONS}
         _compiled_functions[key] = torch.compile(fn, options=options, **compile_args)
     return _compiled_functions[key]

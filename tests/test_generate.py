@@ -1,9 +1,11 @@
 """generate.py: sampling filters, seeded sampling, greedy decoding against a float64 no-cache
 reference, batches of different-length prompts, EOS, and the CLI's error lines. CPU, tiny models."""
 import copy
+import inspect
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -304,6 +306,58 @@ def test_compiled_passes_inductor_options_to_its_compile_only(monkeypatch):
     assert calls == [dict(options=reduce_overhead, fullgraph=True, dynamic=False),
                      dict(options=generate.INDUCTOR_OPTIONS, fullgraph=True, dynamic=True)]
     assert inductor_config.get_config_copy() == before
+
+
+def test_inductor_tuner_times_gpu_candidates_on_the_device_clock(monkeypatch, capsys):
+    """tune_on_device_clock() wraps Inductor's bench() once, so GPU candidates take its profiler
+    path (with_profiler) and CPU ones stay as they were; without the switch it warns and leaves
+    Inductor alone."""
+    from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+    assert "with_profiler" in inspect.signature(CachingAutotuner.bench).parameters  # what it relies on
+    timed_with_profiler = []
+
+    def bench(self, launcher, *args, with_profiler=False, **kwargs):
+        timed_with_profiler.append(with_profiler)
+        return 1.0
+
+    monkeypatch.setattr(CachingAutotuner, "bench", bench)
+    generate.tune_on_device_clock()
+    generate.tune_on_device_clock()  # idempotent: a second wrap would still pass True, so count layers
+    assert CachingAutotuner.bench.__closure__[0].cell_contents is bench
+    on = {kind: SimpleNamespace(device_props=SimpleNamespace(type=kind)) for kind in ("cuda", "cpu")}
+    assert CachingAutotuner.bench(on["cuda"], "launcher") == 1.0
+    CachingAutotuner.bench(on["cpu"], "launcher")
+    assert timed_with_profiler == [True, False]
+
+    monkeypatch.setattr(CachingAutotuner, "bench", lambda self, launcher, *args, **kwargs: 1.0)
+    old = CachingAutotuner.bench
+    generate.tune_on_device_clock()
+    assert CachingAutotuner.bench is old and "no with_profiler switch" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_inductor_tuning_on_the_device_clock_compiles_and_runs(monkeypatch, tmp_path):
+    """A GEMV compiled through generate.compiled() in a fresh Inductor cache is tuned through the
+    profiler-based timer, and its result is right."""
+    import torch._inductor.utils as inductor_utils
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(generate, "_compiled_functions", {})
+    profiled = []
+    timer = inductor_utils.do_bench_using_profiling
+    monkeypatch.setattr(inductor_utils, "do_bench_using_profiling",
+                        lambda fn, *args, **kwargs: profiled.append(fn) or timer(fn, *args, **kwargs))
+
+    def gemv(weight, x):  # as a decode step has it: an RMSNorm, then the product (Inductor's kernels)
+        x = x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5).to(x.dtype)
+        return torch.nn.functional.linear(x, weight)
+
+    weight = torch.randn(3000, 1536, device="cuda", dtype=torch.bfloat16)  # a shape no other test compiles
+    x = torch.randn(1, 1536, device="cuda", dtype=torch.bfloat16)
+    y = generate.compiled(gemv, fullgraph=True, dynamic=False)(weight, x)
+    normed = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-5)
+    torch.testing.assert_close(y.double(), normed @ weight.double().T, rtol=2e-2, atol=2e-1)
+    assert profiled, "Inductor tuned the GEMV without its profiler-based timer"
 
 
 @pytest.mark.gpu
