@@ -363,7 +363,7 @@ def parse_shapes(text: str) -> list:
     return [tuple(int(n) for n in shape.split("x")) for shape in text.split(",")]
 
 
-def ncu_targets(shapes, batch: int = 1) -> list:
+def ncu_targets(shapes, batch: int = 1, configs: list = None) -> list:
     """Launch the kernel a decode step of `batch` rows runs for each 2:4 shape (the SpMV, or from
     linear.spmm_min_rows the tensor-core SpMM), in its tuned config, once inside an NVTX range named
     after the kernel ("spmv" or "spmm"; an inner range names shape, batch and config), for Nsight
@@ -373,19 +373,26 @@ def ncu_targets(shapes, batch: int = 1) -> list:
             python3 scripts/bench_kernel.py --ncu-shapes 4096x4096,28672x4096
         (--ncu-batch 8 and --nvtx-include "spmm/" for the SpMM)
 
-    Compiles and autotuning run outside the ranges, so ncu skips them. The session-4 profiles in
-    docs/KERNEL_NOTES.md came from this mode (with each variant's best config in place of the tuned one)."""
+    Compiles run outside the ranges, so ncu skips them. Tuning under ncu is no tuning: its launch
+    interception made the SpMV's tuner pick other configs than the benchmark's on all three shapes
+    on 2026-12-04 (10.3/41.9/22.7 µs profiled against 7.5/33.4/18.1), so `configs` (the rows an
+    earlier run without ncu wrote) gives each shape's tuned config instead. The session-4 profiles
+    in docs/KERNEL_NOTES.md came from this mode (with each variant's best config in place)."""
     on_spmm = batch >= spmm_min_rows(two_of_four=True)
     kernel = "spmm" if on_spmm else "spmv"
+    given = {(r["out"], r["inp"], r["batch"], r["kernel"]): tuple(r["config"]) for r in configs or []}
     rows = []
     for out_features, in_features in shapes:
         values, mask = pack(random_weight(out_features, in_features), "2:4")
         x = torch.randn(batch, in_features, device="cuda", dtype=torch.bfloat16)
+        config = given.get((out_features, in_features, batch, kernel))
+        if configs is not None and config is None:
+            sys.exit(f"--ncu-configs has no {kernel} config for {out_features}x{in_features} at batch {batch}")
         if on_spmm:
-            config = spmm.spmm_config(x, values, mask, two_of_four=True)
+            config = config or spmm.spmm_config(x, values, mask, two_of_four=True)
             launch = lambda: spmm.spmm(x, values, mask, config=config, two_of_four=True)  # noqa: E731
         else:
-            config = kernels.spmv_config(x, values, mask)
+            config = config or kernels.spmv_config(x, values, mask)
             launch = lambda: kernels.spmv(x, values, mask, config)  # noqa: E731
         launch()  # compiled and warm before the profiled launch
         torch.cuda.synchronize()
@@ -432,6 +439,8 @@ def main():
     p.add_argument("--sweep-batches", default="1,4,16", help="batch sizes for --sweep")
     p.add_argument("--ncu-shapes", help="OUTxIN,...: launch the tuned 2:4 kernel once each, for ncu")
     p.add_argument("--ncu-batch", type=int, default=1, help="rows of x for --ncu-shapes (the SpMM from 8)")
+    p.add_argument("--ncu-configs", type=Path,
+                   help="--out-json of an --ncu-shapes run outside ncu: launch its tuned configs, no tuning")
     p.add_argument("--unpack-sweep", help="OUTxIN,... or 'all': time the prefill's expansion kernels and configs")
     p.add_argument("--chain", help="MODEL,...: time the SpMV chain of a decode step (decode_chain) instead")
     p.add_argument("--pack-x", help="MODEL,...: x one row per register against bf16 pairs (pack_x_ab), at --batches")
@@ -446,7 +455,8 @@ def main():
     torch.manual_seed(0)
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}", flush=True)
     if args.ncu_shapes:
-        rows = ncu_targets(parse_shapes(args.ncu_shapes), args.ncu_batch)
+        configs = json.loads(args.ncu_configs.read_text()) if args.ncu_configs else None
+        rows = ncu_targets(parse_shapes(args.ncu_shapes), args.ncu_batch, configs)
         if args.out_json:
             args.out_json.write_text(json.dumps(rows, indent=1))
         return
