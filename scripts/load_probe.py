@@ -9,11 +9,18 @@ own grid (the tuned config's warps per program, words per warp and prefetch dept
   32 rows' values) is one 1152-B run and a warp's successive words follow each other: one long
   stream a warp, as a dense GEMV row is. A layout the format could adopt.
 
+And a third kernel, "the SpMV without its scan": the SpMV's own loader (x's element too) and
+its ending (the program's warps summed in shared memory, the K splits through the workspace and
+the arrival counter), with the 16-step bit scan, shuffles and FMAs of each word replaced by XORs.
+
 Printed per shape beside the tuned SpMV (batch 1, no fusions) and cuBLAS bf16, all timed as
 bench_kernel.py times (`kernels.time_in_cuda_graph`, rotating copies past the L2). Reading the
 result (docs/KERNEL_NOTES.md, session 21: in a decode step the SpMV reads at 79 % of its bytes
 floor, dense's GEMVs at 87 %): "packed" close to the SpMV says the kernel is bound by its loads,
-not its arithmetic; "interleaved" well under "packed" says the layout costs bandwidth.
+not its arithmetic; "interleaved" well under "packed" says the layout costs bandwidth (session
+22: neither; the packed reads ran 1.0-1.9 µs a call under the SpMV). Of that gap, the SpMV
+minus "without its scan" is the scan's share, and "without its scan" minus "packed" that of x's
+loads and the ending.
 
     python scripts/load_probe.py --shapes 6144x4096,4096x4096,28672x4096,4096x14336
 """
@@ -58,27 +65,52 @@ def _load_word_bits(mask_u32, values_u32, k, row_block, lane, n_rows, n_words, C
 
 
 @triton.jit
-def _read_kernel(mask_u32, values_u32, out_ptr, n_rows, n_words, words_per_warp, CHUNKS: tl.constexpr,
-                 U32_PER_CHUNK: tl.constexpr, SLICES: tl.constexpr, PREFETCH: tl.constexpr,
-                 INTERLEAVED: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
+def _word_bits(x_ptr, mask_u32, values_u32, k, row_block, lane, n_rows, n_words, CHUNKS: tl.constexpr,
+               U32_PER_CHUNK: tl.constexpr, INTERLEAVED: tl.constexpr, SPMV_LOADS: tl.constexpr,
+               INTERPRETER_SAFE: tl.constexpr):
+    """`_load_word_bits`, or with SPMV_LOADS the SpMV's own loader (`kernels._load_word`: the mask
+    word made ready to scan, the values, and x's lane through L1), all XORed (zero past the end)."""
+    if SPMV_LOADS:
+        word, tile, x_lanes, valid, _ = kernels._load_word(
+            x_ptr, x_ptr, values_u32, mask_u32, k, row_block * 32 + lane, lane, n_rows, n_words, n_words * 32, 1, (),
+            CHUNKS, U32_PER_CHUNK, 1, False, False, False, False, INTERPRETER_SAFE)
+        bits = word ^ (x_lanes[0] >> 16)  # x's float32 bits: bf16 in the high half, which the low byte must see
+        for u in tl.static_range(len(tile)):
+            bits = bits ^ tile[u]
+        bits = tl.where(valid, bits, 0)
+    else:
+        bits = _load_word_bits(mask_u32, values_u32, k, row_block, lane, n_rows, n_words, CHUNKS, U32_PER_CHUNK,
+                               INTERLEAVED, INTERPRETER_SAFE)
+    return bits
+
+
+@triton.jit
+def _read_kernel(x_ptr, mask_u32, values_u32, out_ptr, workspace_ptr, arrivals_ptr, n_rows, n_words, words_per_warp,
+                 CHUNKS: tl.constexpr, U32_PER_CHUNK: tl.constexpr, SLICES: tl.constexpr, PREFETCH: tl.constexpr,
+                 INTERLEAVED: tl.constexpr, SPMV_LOADS: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
     """Grid (row blocks, K splits) and warps as the SpMV's; each thread XORs every 32-bit word of its
     row's words, and each program stores the XOR of its threads' (so no load is dead, and the
-    stores, 4 B a program, add nothing measurable)."""
+    stores, 4 B a program, add nothing measurable).
+
+    SPMV_LOADS: the SpMV without its scan. Its loader (x's lanes too) instead of the plain loads,
+    and its ending: each thread's low byte of the XOR as a float, summed over the program's warps
+    through shared memory and over the K splits through the workspace and the arrival counter
+    (`kernels._store_or_reduce`), stored per row (fp32) to out_ptr."""
     THREADS: tl.constexpr = 32 * SLICES
     thread = tl.arange(0, THREADS)
     lane = thread % 32
     row_block = tl.program_id(0)
     k_first = (tl.program_id(1) * SLICES + thread // 32) * words_per_warp
     # The SpMV's software pipeline: word i + PREFETCH's loads go out before word i is used.
-    bits = _load_word_bits(mask_u32, values_u32, k_first, row_block, lane, n_rows, n_words, CHUNKS, U32_PER_CHUNK,
-                           INTERLEAVED, INTERPRETER_SAFE)
+    bits = _word_bits(x_ptr, mask_u32, values_u32, k_first, row_block, lane, n_rows, n_words, CHUNKS, U32_PER_CHUNK,
+                      INTERLEAVED, SPMV_LOADS, INTERPRETER_SAFE)
     if PREFETCH == 2:
-        bits1 = _load_word_bits(mask_u32, values_u32, k_first + 1, row_block, lane, n_rows, n_words, CHUNKS,
-                                U32_PER_CHUNK, INTERLEAVED, INTERPRETER_SAFE)
+        bits1 = _word_bits(x_ptr, mask_u32, values_u32, k_first + 1, row_block, lane, n_rows, n_words, CHUNKS,
+                           U32_PER_CHUNK, INTERLEAVED, SPMV_LOADS, INTERPRETER_SAFE)
     acc = tl.zeros([THREADS], dtype=tl.uint32)
     for i in range(PREFETCH, words_per_warp):
-        next_bits = _load_word_bits(mask_u32, values_u32, k_first + i, row_block, lane, n_rows, n_words, CHUNKS,
-                                    U32_PER_CHUNK, INTERLEAVED, INTERPRETER_SAFE)
+        next_bits = _word_bits(x_ptr, mask_u32, values_u32, k_first + i, row_block, lane, n_rows, n_words, CHUNKS,
+                               U32_PER_CHUNK, INTERLEAVED, SPMV_LOADS, INTERPRETER_SAFE)
         acc = acc ^ bits
         if PREFETCH == 2:
             bits, bits1 = bits1, next_bits
@@ -87,8 +119,14 @@ def _read_kernel(mask_u32, values_u32, out_ptr, n_rows, n_words, words_per_warp,
     acc = acc ^ bits
     if PREFETCH == 2:
         acc = acc ^ bits1
-    program = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-    tl.store(out_ptr + program, tl.xor_sum(acc, axis=0).to(tl.int32, bitcast=True))
+    if SPMV_LOADS:
+        sums = tl.sum(tl.reshape((acc & 0xFF).to(tl.float32), (SLICES, 32)), axis=0)
+        rows = row_block * 32 + tl.arange(0, 32)
+        kernels._store_or_reduce(sums, out_ptr, workspace_ptr, arrivals_ptr, row_block, rows, rows < n_rows,
+                                 tl.num_programs(1))
+    else:
+        program = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+        tl.store(out_ptr + program, tl.xor_sum(acc, axis=0).to(tl.int32, bitcast=True))
 
 
 def interleave(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -102,21 +140,28 @@ def interleave(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.cat([mask_blocks, value_blocks], dim=-1).contiguous()
 
 
-def read(values: torch.Tensor, mask: torch.Tensor, config, interleaved: torch.Tensor = None) -> torch.Tensor:
+def read(values: torch.Tensor, mask: torch.Tensor, config, interleaved: torch.Tensor = None,
+         x: torch.Tensor = None) -> torch.Tensor:
     """Run the probe once with the SpMV config (slices, words per warp, prefetch); returns what each
-    program stored. interleaved: `interleave(values, mask)`, to read that layout instead."""
+    program stored. interleaved: `interleave(values, mask)`, to read that layout instead. x (1, in):
+    the SpMV without its scan instead (SPMV_LOADS in `_read_kernel`); returns one fp32 per row."""
     n_words, n_rows = mask.shape
     if n_rows % 32:
         raise ValueError(f"load_probe: out_features {n_rows} is not a multiple of 32")
     chunks_total, _, chunk = values.shape
     slices, words_per_warp, prefetch = config
     split = triton.cdiv(n_words, slices * words_per_warp)
-    out = torch.empty(n_rows // 32 * split, dtype=torch.int32, device=mask.device)
+    if x is None:
+        out = torch.empty(n_rows // 32 * split, dtype=torch.int32, device=mask.device)
+    else:
+        out = torch.empty(n_rows, dtype=torch.float32, device=mask.device)
+    workspace, arrivals = kernels._workspace(mask.device, n_rows, n_rows // 32)  # the SpMV's, left zeroed
     source = mask if interleaved is None else interleaved
     _read_kernel[(n_rows // 32, split)](
-        source, values.view(torch.int32), out, n_rows, n_words, words_per_warp, CHUNKS=chunks_total // n_words,
-        U32_PER_CHUNK=chunk * values.element_size() // 4, SLICES=slices, PREFETCH=prefetch,
-        INTERLEAVED=interleaved is not None, INTERPRETER_SAFE=INTERPRETING, num_warps=slices)
+        mask if x is None else x, source, values.view(torch.int32), out, workspace, arrivals, n_rows, n_words,
+        words_per_warp, CHUNKS=chunks_total // n_words, U32_PER_CHUNK=chunk * values.element_size() // 4,
+        SLICES=slices, PREFETCH=prefetch, INTERLEAVED=interleaved is not None, SPMV_LOADS=x is not None,
+        INTERPRETER_SAFE=INTERPRETING, num_warps=slices)
     return out
 
 
@@ -132,11 +177,12 @@ def probe_shape(out_features: int, in_features: int) -> dict:
     packed_us = kernels.time_in_cuda_graph([lambda v=v, m=m: read(v, m, config) for v, m in copies])
     flat = [(v, m, interleave(v, m)) for v, m in copies]
     interleaved_us = kernels.time_in_cuda_graph([lambda v=v, m=m, i=i: read(v, m, config, i) for v, m, i in flat])
+    no_scan_us = kernels.time_in_cuda_graph([lambda v=v, m=m: read(v, m, config, x=x) for v, m in copies])
     del copies, flat
     weights = [weight] + [weight.clone() for _ in range(kernels.copies_for(weight.numel() * 2) - 1)]
     cublas_us = kernels.time_in_cuda_graph([lambda w=w: F.linear(x, w) for w in weights])
     return dict(shape=f"{out_features}x{in_features}", config=config, packed_mb=packed_bytes / 1e6, spmv_us=spmv_us,
-                packed_us=packed_us, interleaved_us=interleaved_us, cublas_us=cublas_us,
+                packed_us=packed_us, interleaved_us=interleaved_us, no_scan_us=no_scan_us, cublas_us=cublas_us,
                 dense_tbs=weight.numel() * 2 / cublas_us / 1e6, packed_tbs=packed_bytes / packed_us / 1e6,
                 interleaved_tbs=packed_bytes / interleaved_us / 1e6, spmv_tbs=packed_bytes / spmv_us / 1e6)
 
@@ -149,13 +195,13 @@ def main():
         sys.exit("load_probe: needs a CUDA GPU (its kernels run on CPU only under TRITON_INTERPRET=1, in the tests)")
     shapes = [tuple(int(n) for n in s.split("x")) for s in args.shapes.split(",")]
     print("| shape | config (slices, words/warp, prefetch) | packed MB | SpMV µs (TB/s) | probe, packed µs (TB/s) "
-          "| probe, interleaved µs (TB/s) | cuBLAS dense µs (TB/s) |")
-    print("|---|---|---|---|---|---|---|")
+          "| probe, interleaved µs (TB/s) | SpMV without its scan µs | cuBLAS dense µs (TB/s) |")
+    print("|---|---|---|---|---|---|---|---|")
     for out_features, in_features in shapes:
         r = probe_shape(out_features, in_features)
         print(f"| {r['shape']} | {r['config']} | {r['packed_mb']:.1f} | {r['spmv_us']:.1f} ({r['spmv_tbs']:.2f}) "
               f"| {r['packed_us']:.1f} ({r['packed_tbs']:.2f}) | {r['interleaved_us']:.1f} ({r['interleaved_tbs']:.2f}) "
-              f"| {r['cublas_us']:.1f} ({r['dense_tbs']:.2f}) |", flush=True)
+              f"| {r['no_scan_us']:.1f} | {r['cublas_us']:.1f} ({r['dense_tbs']:.2f}) |", flush=True)
 
 
 if __name__ == "__main__":
