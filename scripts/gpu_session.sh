@@ -8,8 +8,10 @@
 #   DEADLINE_S=540 bash scripts/gpu_session.sh decode_b1 prune_8b
 #
 # Jobs (name: what, rough minutes on an idle H200 incl. compiles; bench_decode runs our dense and
-# our sparse model in fresh processes of their own):
-#   gpu_tests       pytest -m gpu over every module with GPU tests (~3; the SpMV autotuner compiles per shape)
+# our sparse model in fresh processes of their own; the pytest jobs print each test's time, so one
+# cut by its limit still says where the time went):
+#   gpu_tests       pytest -m gpu over every module with GPU tests (far over one call's limit by now: run the
+#                   parts below; the SpMV autotuner compiles per shape)
 #   kernel_table    bench_kernel.py: the issue-3 table, 16 shapes x batch 1/4/8/16/2048 (~4)
 #   kernel_table_b1_prefill  the same table at batch 1 and the 2048-token prefill only (~5)
 #   kernel_table_b1  the same table at batch 1 only, without torch's 2:4 (~1)
@@ -24,7 +26,9 @@
 #   kernel_sweep    bench_kernel.py --sweep on the Llama-3.1-8B and Qwen3-14B shapes at batch 1 and 4 (~4)
 #   kernel_sweep_b1 the same sweep at batch 1 on all 16 shapes of the kernel table, with cuBLAS (~2)
 #   kernel_sweep_batches  the sweep at batch 4, 8 and 16 on the four Llama-3.1-8B shapes (~2)
-#   sparse_gpu_tests  pytest -m gpu over the sparse/ modules' tests only (~2)
+#   sparse_gpu_tests  pytest -m gpu over the sparse/ modules' tests only (> 9.5: 45 of its 67 tests in 570 s on
+#                   2026-12-04, on a cold machine; the parts below fit a call)
+#   spmv_gpu_tests  pytest -m gpu over the SpMV kernel's tests (test_sparse_kernels.py, every candidate config) only
 #   decode_gpu_tests  pytest -m gpu over the SpMV, SparseLinear, decode attention and generate tests (~8.5 in session 20)
 #   spmm_gpu_tests  pytest -m gpu over the tensor-core SpMM's tests (every tile shape with each K loop) (~3)
 #   attention_gpu_tests  pytest -m gpu over the decode attention, SparseLinear (the measured SpMV/SpMM
@@ -33,10 +37,12 @@
 #   new_gpu_tests   only the GPU tests written in sessions 14-15 without a GPU: the SpMM's 2:4 nibble
 #                   expansion, RoPE and the KV write inside the decode attention, its merge in the last split (~3)
 #   load_probe      load_probe.py: the batch-1 SpMV's weight reads alone (its grid and loads, no arithmetic) in the
-#                   packed layout and interleaved into one run a warp, beside the SpMV and cuBLAS, Llama-3.1-8B
-#                   shapes and 5120x5120 (~1)
+#                   packed layout and interleaved into one run a warp, and the SpMV without its bit scan (its
+#                   loads, x's and its split-K ending kept), beside the SpMV and cuBLAS, Llama-3.1-8B shapes and
+#                   5120x5120 (~1)
 #   kernel_ncu      Nsight Compute (full set, SASS source page with stall samples) of the tuned batch-1
-#                   SpMV on 4096x4096, 28672x4096 and 4096x14336 (~2)
+#                   SpMV on 4096x4096, 28672x4096 and 4096x14336, tuned in a run of its own first (tuned under
+#                   ncu, the picks differed from the benchmark's on all three shapes, 2026-12-04) (~2)
 #   spmm_ncu        kernel_ncu's profile of the tuned 2:4 SpMM at 8 rows (the batch-8 decode step's kernel) (~2)
 #   attention_table bench_attention.py: the decode-attention kernel alone (RoPE and KV write inside), Llama-3.1-8B
 #                   heads, batch 1/4/8/16, 768 and 4096 slots, over program targets, slots a block and the merge (~2)
@@ -81,7 +87,10 @@
 #                   pick beside the time the tuner measured for it and its time in the step (~4 on a warm machine)
 #   dense_spread_wide  the same with Inductor's coordinate descent searching wider (every direction, radius 2:
 #                   generate.py's INDUCTOR_OPTIONS edited for the job); worth a run if dense_spread's picks show the
-#                   slow process's search stopping at a config it measured slow (~5)
+#                   slow process's search stopping at a config it measured slow (~5; 2026-12-04: they showed the
+#                   tuner's timings mislead instead, so not run)
+#   dense_spread_event_clock  the same with Inductor's tuner back on its CUDA-event timing of Python launches
+#                   (generate.TUNE_ON_DEVICE_CLOCK off): the control for the device clock's effect on the spread (~5)
 #   dense_placement dense_placement.py: our dense at batch 1 in ONE process, the weights moved to new memory four
 #                   times with the compiled kernels kept (the CUDA graph re-recorded, tokens checked), then all of
 #                   them in one allocation (~4)
@@ -124,8 +133,8 @@ PLAIN_LOOP="decode_attention.py:s/^PIPELINE_STAGES = 2/PIPELINE_STAGES = 1/"
 PROGRAMS1056="decode_attention.py:s/^PROGRAMS_TARGET = 264 /PROGRAMS_TARGET = 1056 /"
 WIDE_COORDESC="generate.py:s/^INDUCTOR_OPTIONS = {/INDUCTOR_OPTIONS = {\x22coordinate_descent_check_all_directions\x22: True, \x22coordinate_descent_search_radius\x22: 2, /"
 declare -A JOBS=(
-  [gpu_tests]="python3 -m pytest -v -m gpu tests"
-  [prefill_slices]="python3 -m pytest -q -m gpu tests/test_sparse_kernels.py -k prefill_matmul; for n in 1 4; do python3 scripts/bench_kernel.py --batches 2048 --no-semi --prefill-slices \$n --out-md \$JOB/slices\$n.md --out-json \$JOB/slices\$n.json; done"
+  [gpu_tests]="python3 -m pytest -v -o console_output_style=times -m gpu tests"
+  [prefill_slices]="python3 -m pytest -v -o console_output_style=times -m gpu tests/test_sparse_kernels.py -k prefill_matmul; for n in 1 4; do python3 scripts/bench_kernel.py --batches 2048 --no-semi --prefill-slices \$n --out-md \$JOB/slices\$n.md --out-json \$JOB/slices\$n.json; done"
   [kernel_table_b1_prefill]="python3 scripts/bench_kernel.py --batches 2048,1 --out-md \$JOB/table.md --out-json \$JOB/bench.json"
   [kernel_table_b1]="python3 scripts/bench_kernel.py --batches 1 --no-semi --out-md \$JOB/table.md --out-json \$JOB/bench.json"
   [unpack_sweep]="python3 scripts/bench_kernel.py --unpack-sweep all --out-json \$JOB/unpack.json"
@@ -136,16 +145,17 @@ declare -A JOBS=(
   [kernel_sweep]="python3 scripts/bench_kernel.py --sweep --sweep-shapes 6144x4096,4096x4096,28672x4096,4096x14336,7168x5120,5120x5120,34816x5120,5120x17408 --sweep-batches 1,4 --out-json \$JOB/sweep.json"
   [kernel_sweep_b1]="python3 scripts/bench_kernel.py --sweep --sweep-shapes all --sweep-batches 1 --out-json \$JOB/sweep.json --out-md \$JOB/sweep.md"
   [kernel_sweep_batches]="python3 scripts/bench_kernel.py --sweep --sweep-shapes 6144x4096,4096x4096,28672x4096,4096x14336 --sweep-batches 4,8,16 --out-json \$JOB/sweep.json --out-md \$JOB/sweep.md"
-  [sparse_gpu_tests]="python3 -m pytest -v -m gpu tests/test_sparse_kernels.py tests/test_sparse_linear.py tests/test_sparse_spmm.py"
-  [new_gpu_tests]="python3 -m pytest -v -m gpu tests/test_sparse_spmm.py tests/test_decode_attention.py -k 'llama_shape or model_decode_matches_sdpa'"
-  [spmm_gpu_tests]="python3 -m pytest -v -m gpu tests/test_sparse_spmm.py"
-  [attention_gpu_tests]="python3 -m pytest -v -m gpu tests/test_decode_attention.py tests/test_sparse_linear.py tests/test_generate.py"
-  [decode_gpu_tests]="python3 -m pytest -v -m gpu tests/test_sparse_kernels.py tests/test_sparse_linear.py tests/test_decode_attention.py tests/test_generate.py"
+  [sparse_gpu_tests]="python3 -m pytest -v -o console_output_style=times -m gpu tests/test_sparse_kernels.py tests/test_sparse_linear.py tests/test_sparse_spmm.py"
+  [spmv_gpu_tests]="python3 -m pytest -v -o console_output_style=times -m gpu tests/test_sparse_kernels.py"
+  [new_gpu_tests]="python3 -m pytest -v -o console_output_style=times -m gpu tests/test_sparse_spmm.py tests/test_decode_attention.py -k 'llama_shape or model_decode_matches_sdpa'"
+  [spmm_gpu_tests]="python3 -m pytest -v -o console_output_style=times -m gpu tests/test_sparse_spmm.py"
+  [attention_gpu_tests]="python3 -m pytest -v -o console_output_style=times -m gpu tests/test_decode_attention.py tests/test_sparse_linear.py tests/test_generate.py"
+  [decode_gpu_tests]="python3 -m pytest -v -o console_output_style=times -m gpu tests/test_sparse_kernels.py tests/test_sparse_linear.py tests/test_decode_attention.py tests/test_generate.py"
   [load_probe]="python3 scripts/load_probe.py --shapes 6144x4096,4096x4096,28672x4096,4096x14336,5120x5120 > \$JOB/load_probe.md; cat \$JOB/load_probe.md"
-  [kernel_ncu]="ncu --clock-control none --nvtx --nvtx-include 'spmv/' --set full --import-source yes -o \$JOB/spmv python3 scripts/bench_kernel.py --ncu-shapes 4096x4096,28672x4096,4096x14336 --out-json \$JOB/targets.json && ncu -i \$JOB/spmv.ncu-rep --page details --csv > \$JOB/details.csv && ncu -i \$JOB/spmv.ncu-rep --page source --print-source sass --csv > \$JOB/source_sass.csv"
-  [spmm_ncu]="ncu --clock-control none --nvtx --nvtx-include 'spmm/' --set full --import-source yes -o \$JOB/spmm python3 scripts/bench_kernel.py --ncu-shapes 4096x4096,28672x4096,4096x14336 --ncu-batch 8 --out-json \$JOB/targets.json && ncu -i \$JOB/spmm.ncu-rep --page details --csv > \$JOB/details.csv && ncu -i \$JOB/spmm.ncu-rep --page source --print-source sass --csv > \$JOB/source_sass.csv"
+  [kernel_ncu]="python3 scripts/bench_kernel.py --ncu-shapes 4096x4096,28672x4096,4096x14336 --out-json \$JOB/tuned.json && ncu --clock-control none --nvtx --nvtx-include 'spmv/' --set full --import-source yes -o \$JOB/spmv python3 scripts/bench_kernel.py --ncu-shapes 4096x4096,28672x4096,4096x14336 --ncu-configs \$JOB/tuned.json --out-json \$JOB/targets.json && ncu -i \$JOB/spmv.ncu-rep --page details --csv > \$JOB/details.csv && ncu -i \$JOB/spmv.ncu-rep --page source --print-source sass --csv > \$JOB/source_sass.csv"
+  [spmm_ncu]="python3 scripts/bench_kernel.py --ncu-shapes 4096x4096,28672x4096,4096x14336 --ncu-batch 8 --out-json \$JOB/tuned.json && ncu --clock-control none --nvtx --nvtx-include 'spmm/' --set full --import-source yes -o \$JOB/spmm python3 scripts/bench_kernel.py --ncu-shapes 4096x4096,28672x4096,4096x14336 --ncu-batch 8 --ncu-configs \$JOB/tuned.json --out-json \$JOB/targets.json && ncu -i \$JOB/spmm.ncu-rep --page details --csv > \$JOB/details.csv && ncu -i \$JOB/spmm.ncu-rep --page source --print-source sass --csv > \$JOB/source_sass.csv"
   [attention_table]="python3 scripts/bench_attention.py --out-md \$JOB/attention.md --out-json \$JOB/attention.json"
-  [attention_stages]="python3 -m pytest -q -m gpu tests/test_decode_attention.py; python3 scripts/bench_attention.py --targets 132,264,528 --blocks 64,128 --v-with-k 0 --stages 1,2,3 --out-md \$JOB/attention.md --out-json \$JOB/attention.json"
+  [attention_stages]="python3 -m pytest -v -o console_output_style=times -m gpu tests/test_decode_attention.py; python3 scripts/bench_attention.py --targets 132,264,528 --blocks 64,128 --v-with-k 0 --stages 1,2,3 --out-md \$JOB/attention.md --out-json \$JOB/attention.json"
   [decode_pipeline_b148]="OUT=\$JOB bash scripts/decode_variants.sh 1 'base=' 'plain_loop=$PLAIN_LOOP' -- --models Llama-3.1-8B --patterns 2:4 --batch_sizes 1,4,8 --profile"
   [attention_ncu]="ncu --clock-control none --kernel-name regex:_partial_attention_kernel --launch-count 3 --set full --import-source yes -o \$JOB/attention python3 scripts/bench_attention.py --batches 8 --slots 768 --targets 264 --blocks 64 && ncu -i \$JOB/attention.ncu-rep --page details --csv > \$JOB/details.csv && ncu -i \$JOB/attention.ncu-rep --page source --print-source sass --csv > \$JOB/source_sass.csv"
   [spmm]="env OUT=\$JOB bash scripts/gpu_spmm_check.sh bench"
@@ -163,9 +173,10 @@ declare -A JOBS=(
   [decode_v_with_k_b148]="OUT=\$JOB bash scripts/decode_variants.sh 1 'base=' 'v_with_k=$V_WITH_K' -- --models Llama-3.1-8B --patterns 2:4 --batch_sizes 1,4,8 --profile"
   [dense_spread]="OUT=\$JOB bash scripts/dense_spread.sh 2"
   [dense_spread_wide]="VARIANT='$WIDE_COORDESC' OUT=\$JOB bash scripts/dense_spread.sh 2"
+  [dense_spread_event_clock]="VARIANT='generate.py:s/^TUNE_ON_DEVICE_CLOCK = True/TUNE_ON_DEVICE_CLOCK = False/' OUT=\$JOB bash scripts/dense_spread.sh 2"
   [dense_placement]="python3 scripts/dense_placement.py --placements 4 --arena --out \$JOB"
   [decode_spmm_from4_b4]="OUT=\$JOB bash scripts/decode_variants.sh 1 'base=' 'spmm_from4=$SPMM_FROM4' -- --models Llama-3.1-8B --patterns 2:4 --batch_sizes 4 --profile"
-  [decode_spmm_prefetch_b816]="python3 -m pytest -q -m gpu tests/test_sparse_spmm.py -k 'llama_shapes and prefetched'; OUT=\$JOB bash scripts/decode_variants.sh 1 'base=' 'prefetch=$PREFETCH_PAIRS' -- --models Llama-3.1-8B --patterns 2:4 --batch_sizes 8,16 --profile"
+  [decode_spmm_prefetch_b816]="python3 -m pytest -v -o console_output_style=times -m gpu tests/test_sparse_spmm.py -k 'llama_shapes and prefetched'; OUT=\$JOB bash scripts/decode_variants.sh 1 'base=' 'prefetch=$PREFETCH_PAIRS' -- --models Llama-3.1-8B --patterns 2:4 --batch_sizes 8,16 --profile"
   [decode_spmm_ab_b8]="OUT=\$JOB bash scripts/decode_ab.sh '$NO_SPMM8' 1 8 -- --models Llama-3.1-8B --patterns 2:4"
   [decode_prologue_ab_b23]="OUT=\$JOB bash scripts/decode_ab.sh 'sparse/linear.py:s/^PROLOGUE_APART_MIN_ROWS = 4/PROLOGUE_APART_MIN_ROWS = 2/' 1 2,3 -- --models Llama-3.1-8B --patterns 2:4"
   [decode_batches]="$DECODE --models Llama-3.1-8B --patterns dense,2:4 --batch_sizes 4,8 --deadline_s 500 --out \$JOB"
