@@ -281,6 +281,11 @@ def bench_shape(out_features, in_features, batch, pattern, with_semi=True, layer
                sparse_us=sparse_us, fused_us=fused_us, dense_us=dense_us, speedup=dense_us / sparse_us,
                sparse_gbps=(sparse_bytes + io_bytes) / sparse_us / 1e3,
                dense_gbps=(dense_bytes + io_bytes) / dense_us / 1e3, sparse_bytes=sparse_bytes + io_bytes)
+    if batch <= kernels.MAX_SPMV_BATCH:  # the configs the tuner picked (already timed: no tuning here)
+        row["config"] = kernels.spmv_config(x, values, mask, kernels.packs_x(x))
+        if fused_us is not None and decode_call is fused_sparse_call:
+            row["fused_config"] = kernels.spmv_config(x, values, mask, kernels.packs_x(x), **{
+                name: DECODE_FUSION[layer].get(name, False) for name in ("norm", "gated", "residual")})
     if batch > kernels.MAX_SPMV_BATCH:
         expand_calls = [lambda: kernels.unpack_to_dense(values, mask)]
         row["expand_us"] = kernels.time_in_cuda_graph(expand_calls)
