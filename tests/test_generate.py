@@ -367,7 +367,8 @@ def test_inductor_tuning_on_the_device_clock_compiles_and_runs(monkeypatch, tmp_
     x = torch.randn(1, 1536, device="cuda", dtype=torch.bfloat16)
     y = generate.compiled(gemv, fullgraph=True, dynamic=False)(weight, x)
     normed = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-5)
-    torch.testing.assert_close(y.double(), normed @ weight.double().T, rtol=2e-2, atol=2e-1)
+    reference = normed @ weight.double().T
+    assert (y.double() - reference).norm() / reference.norm() < 1e-2  # bf16 rounding: ~3e-3
     assert profiled, "Inductor tuned the GEMV without its profiler-based timer"
 
 
