@@ -85,6 +85,7 @@
 #   dense_spread    dense_spread.sh: our dense at batch 1 with --profile twice, each with a fresh Inductor cache,
 #                   then once more in the first's cache directory (which tuned anew, 2026-12-04); each kernel's
 #                   pick beside the time the tuner measured for it and its time in the step (~4 on a warm machine)
+#   dense_spread_short  the same with one fresh cache (run 1, then 1r): two processes, for when tuning takes longer
 #   dense_spread_wide  the same with Inductor's coordinate descent searching wider (every direction, radius 2:
 #                   generate.py's INDUCTOR_OPTIONS edited for the job); worth a run if dense_spread's picks show the
 #                   slow process's search stopping at a config it measured slow (~5; 2026-12-04: they showed the
@@ -173,6 +174,7 @@ declare -A JOBS=(
   [decode_pending_b18]="OUT=\$JOB bash scripts/decode_variants.sh 1 'base=' 'prefetch=$PREFETCH_PAIRS' 'v_with_k=$V_WITH_K' 'sampling=$TOPK64' -- --models Llama-3.1-8B --patterns 2:4 --batch_sizes 1,8 --profile"
   [decode_v_with_k_b148]="OUT=\$JOB bash scripts/decode_variants.sh 1 'base=' 'v_with_k=$V_WITH_K' -- --models Llama-3.1-8B --patterns 2:4 --batch_sizes 1,4,8 --profile"
   [dense_spread]="OUT=\$JOB bash scripts/dense_spread.sh 2"
+  [dense_spread_short]="OUT=\$JOB bash scripts/dense_spread.sh 1"
   [dense_spread_wide]="VARIANT='$WIDE_COORDESC' OUT=\$JOB bash scripts/dense_spread.sh 2"
   [dense_spread_event_clock]="VARIANT='generate.py:s/^TUNE_ON_DEVICE_CLOCK = True/TUNE_ON_DEVICE_CLOCK = False/' OUT=\$JOB bash scripts/dense_spread.sh 2"
   [dense_placement]="python3 scripts/dense_placement.py --placements 4 --arena --out \$JOB"
