@@ -38,8 +38,9 @@
 #                   expansion, RoPE and the KV write inside the decode attention, its merge in the last split (~3)
 #   load_probe      load_probe.py: the batch-1 SpMV's weight reads alone (its grid and loads, no arithmetic) in the
 #                   packed layout and interleaved into one run a warp, and the SpMV without its bit scan (its
-#                   loads and x's, the slices' sum, split-K where the config has it), beside the SpMV and cuBLAS,
-#                   Llama-3.1-8B shapes and 5120x5120 (~1)
+#                   loads and x's, the slices' sum, split-K where the config has it), and the packed reads with K
+#                   split in two (half the warps a program: the whole-K grids' SM imbalance), beside the SpMV and
+#                   cuBLAS, Llama-3.1-8B shapes and 5120x5120 (~1)
 #   kernel_ncu      Nsight Compute (full set, SASS source page with stall samples) of the tuned batch-1
 #                   SpMV on 4096x4096, 28672x4096 and 4096x14336, tuned in a run of its own first (tuned under
 #                   ncu, the picks differed from the benchmark's on all three shapes, 2026-12-04) (~2)

@@ -13,6 +13,9 @@ And a third kernel, "the SpMV without its scan": the SpMV's own loader (x's elem
 its ending (the program's warps summed in shared memory, the K splits through the workspace and
 the arrival counter), with the 16-step bit scan, shuffles and FMAs of each word replaced by XORs.
 
+And the packed probe once more with K split in two (`halved_programs`), for what evening out the
+whole-K grids over the SMs would be worth.
+
 Printed per shape beside the tuned SpMV (batch 1, no fusions) and cuBLAS bf16, all timed as
 bench_kernel.py times (`kernels.time_in_cuda_graph`, rotating copies past the L2). Reading the
 result (docs/KERNEL_NOTES.md, session 21: in a decode step the SpMV reads at 79 % of its bytes
@@ -165,6 +168,16 @@ def read(values: torch.Tensor, mask: torch.Tensor, config, interleaved: torch.Te
     return out
 
 
+def halved_programs(config):
+    """The config with half the warps a program, so K splits in two over twice the programs (None
+    for one warp a program): with K whole, a call has one program per 32-row block, and on
+    6144x4096 (192 of them, two to an SM) 60 SMs stream two blocks while 72 stream one. The packed
+    probe at this config, whose programs only store (no split-K ending), says what evening that
+    out is worth before anything pays an ending for it (docs/KERNEL_NOTES.md, session 22)."""
+    slices, words_per_warp, prefetch = config
+    return (slices // 2, words_per_warp, prefetch) if slices > 1 else None
+
+
 def probe_shape(out_features: int, in_features: int) -> dict:
     """µs per call at batch 1: the tuned SpMV, the probe on both layouts (its config), cuBLAS."""
     weight = torch.randn(out_features, in_features, device="cuda", dtype=torch.bfloat16) * in_features ** -0.5
@@ -178,11 +191,14 @@ def probe_shape(out_features: int, in_features: int) -> dict:
     flat = [(v, m, interleave(v, m)) for v, m in copies]
     interleaved_us = kernels.time_in_cuda_graph([lambda v=v, m=m, i=i: read(v, m, config, i) for v, m, i in flat])
     no_scan_us = kernels.time_in_cuda_graph([lambda v=v, m=m: read(v, m, config, x=x) for v, m in copies])
+    halved = halved_programs(config)
+    split_us = halved and kernels.time_in_cuda_graph([lambda v=v, m=m: read(v, m, halved) for v, m in copies])
     del copies, flat
     weights = [weight] + [weight.clone() for _ in range(kernels.copies_for(weight.numel() * 2) - 1)]
     cublas_us = kernels.time_in_cuda_graph([lambda w=w: F.linear(x, w) for w in weights])
     return dict(shape=f"{out_features}x{in_features}", config=config, packed_mb=packed_bytes / 1e6, spmv_us=spmv_us,
-                packed_us=packed_us, interleaved_us=interleaved_us, no_scan_us=no_scan_us, cublas_us=cublas_us,
+                packed_us=packed_us, interleaved_us=interleaved_us, no_scan_us=no_scan_us, split_us=split_us,
+                cublas_us=cublas_us,
                 dense_tbs=weight.numel() * 2 / cublas_us / 1e6, packed_tbs=packed_bytes / packed_us / 1e6,
                 interleaved_tbs=packed_bytes / interleaved_us / 1e6, spmv_tbs=packed_bytes / spmv_us / 1e6)
 
@@ -195,13 +211,14 @@ def main():
         sys.exit("load_probe: needs a CUDA GPU (its kernels run on CPU only under TRITON_INTERPRET=1, in the tests)")
     shapes = [tuple(int(n) for n in s.split("x")) for s in args.shapes.split(",")]
     print("| shape | config (slices, words/warp, prefetch) | packed MB | SpMV µs (TB/s) | probe, packed µs (TB/s) "
-          "| probe, interleaved µs (TB/s) | SpMV without its scan µs | cuBLAS dense µs (TB/s) |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| probe, interleaved µs (TB/s) | SpMV without its scan µs | probe, K split in two µs | cuBLAS dense µs (TB/s) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for out_features, in_features in shapes:
         r = probe_shape(out_features, in_features)
+        split = f"{r['split_us']:.1f}" if r["split_us"] else "-"
         print(f"| {r['shape']} | {r['config']} | {r['packed_mb']:.1f} | {r['spmv_us']:.1f} ({r['spmv_tbs']:.2f}) "
               f"| {r['packed_us']:.1f} ({r['packed_tbs']:.2f}) | {r['interleaved_us']:.1f} ({r['interleaved_tbs']:.2f}) "
-              f"| {r['no_scan_us']:.1f} | {r['cublas_us']:.1f} ({r['dense_tbs']:.2f}) |", flush=True)
+              f"| {r['no_scan_us']:.1f} | {split} | {r['cublas_us']:.1f} ({r['dense_tbs']:.2f}) |", flush=True)
 
 
 if __name__ == "__main__":

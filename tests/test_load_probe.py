@@ -82,6 +82,11 @@ def test_the_spmv_without_its_scan_issues_the_spmvs_loads_and_no_scan():
     assert not any(op.startswith(("FLO", "SHFL")) for op in loop)
 
 
+def test_halving_the_warps_a_program_splits_k_in_two():
+    assert load_probe.halved_programs((16, 8, 2)) == (8, 8, 2)  # 6144x4096: 192 programs -> 384
+    assert load_probe.halved_programs((1, 8, 1)) is None
+
+
 def test_rows_not_a_multiple_of_32_are_one_clear_error():
     values, mask = random_packed(48, 64, "2:4", seed=1, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="multiple of 32"):
