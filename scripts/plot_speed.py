@@ -1,0 +1,139 @@
+"""Plots of measured speed, for the reader who would rather see than read docs/BENCHMARKS.md.
+
+From the JSON files the benchmarks write on the GPU (kept under docs/results/speed/ with their
+date in the name), two figures:
+
+- decode: one panel per model and batch size, tokens/s of every process measured (a dot each; the
+  bar is the fastest), dense engines first, then each N:M pattern with its byte bound (fastest
+  dense x the pattern's bound_speedup) drawn over its bar and issue 5's goal as a dashed line
+  (1.6x the fastest dense for Llama-3.1-8B at batch 1, 95 % of the bound for the Qwen3 models).
+  Input: scripts/bench_decode.py's bench_decode.json, any number of them.
+- kernel: one panel per batch size, each shape's speedup over cuBLAS with issue 3's goal line.
+  Input: scripts/bench_kernel.py's --out-json.
+
+    python scripts/plot_speed.py --decode docs/results/speed/2026-12-04_*decode*.json \\
+        --kernel docs/results/speed/2026-12-04_kernel_table_b1.json --label "H200, 2026-12-04" --out docs/results/speed
+"""
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+KERNEL_GOALS = {1: 1.6, 4: 1.4, 16: 1.0, 2048: 0.9}  # issue 3; batch 8 has none
+
+
+def decode_processes(paths) -> dict:
+    """{(model, batch): {bar label: [tok/s of each process]}} from bench_decode.json files, plus the
+    byte bound of each sparse bar ({(model, batch, label): bound_speedup})."""
+    processes, bounds = defaultdict(lambda: defaultdict(list)), {}
+    for path in paths:
+        for row in json.loads(Path(path).read_text())["rows"]:
+            label = f"{'GPT-Fast' if row['engine'] == 'gpt-fast' else 'ours'} {row['pattern']}"
+            processes[row["model"], row["batch"]][label].append(row["tok_s"])
+            if row["pattern"] != "dense":
+                bounds[row["model"], row["batch"], label] = row["bound_speedup"]
+    return processes, bounds
+
+
+def decode_goal(model: str, batch: int, fastest_dense: float, bound: float):
+    """Issue 5's goal in tokens/s for a sparse bar, or None where it sets none."""
+    if model.startswith("Qwen3") and batch == 1:
+        return 0.95 * bound * fastest_dense
+    return {1: 1.6, 4: 1.35, 8: 1.2}.get(batch, 0) * fastest_dense or None
+
+
+def bar_order(label: str):
+    """GPT-Fast first, then our dense, then the patterns by M (2:4, 4:8, 8:16, 16:32)."""
+    engine, pattern = label.split(" ")
+    return (engine != "GPT-Fast", pattern != "dense", int(pattern.split(":")[1]) if ":" in pattern else 0)
+
+
+def plot_decode(paths, out: Path, label: str) -> Path:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    processes, bounds = decode_processes(paths)
+    panels = sorted(processes)
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4.2), squeeze=False)
+    for ax, (model, batch) in zip(axes[0], panels):
+        bars = sorted(processes[model, batch], key=bar_order)
+        dense = processes[model, batch].get("ours dense", [])
+        fastest_dense = max(dense) if dense else None
+        for i, bar in enumerate(bars):
+            runs = processes[model, batch][bar]
+            ax.bar(i, max(runs), color="tab:gray" if bar.endswith("dense") else "tab:blue", alpha=0.6)
+            ax.plot([i] * len(runs), runs, "k.", ms=5)
+            ax.annotate(f"{max(runs):.0f}", (i, max(runs)), ha="center", va="bottom", fontsize=8)
+            if fastest_dense and (model, batch, bar) in bounds:
+                bound = bounds[model, batch, bar]
+                ax.hlines(fastest_dense * bound, i - 0.4, i + 0.4, colors="tab:green",
+                          label="byte bound" if i == len(bars) - 1 else None)
+                goal = decode_goal(model, batch, fastest_dense, bound)
+                if goal:
+                    ax.hlines(goal, i - 0.4, i + 0.4, colors="tab:red", linestyles="dashed",
+                              label="goal (issue 5)" if i == len(bars) - 1 else None)
+        ax.set_xticks(range(len(bars)), [b.replace("ours ", "") for b in bars], rotation=30)
+        ax.set_title(f"{model}, batch {batch}", fontsize=10)
+        ax.set_ylabel("tokens/s per sequence")
+        ax.legend(fontsize=7, loc="lower right")
+    fig.suptitle(f"Decode speed, one dot per fresh process ({label})", fontsize=10)
+    fig.tight_layout()
+    path = out / "decode_speed.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_kernel(path_in, out: Path, label: str) -> Path:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = json.loads(Path(path_in).read_text())
+    batches = sorted({r["batch"] for r in rows})
+    fig, axes = plt.subplots(len(batches), 1, figsize=(10, 2.2 * len(batches) + 1), squeeze=False, sharex=True)
+    for ax, batch in zip(axes[:, 0], batches):
+        mine = [r for r in rows if r["batch"] == batch]
+        names = [f"{r['model']} {r['layer']}\n{r['out']}x{r['inp']}" for r in mine]
+        speedups = [r["speedup"] for r in mine]
+        goal = KERNEL_GOALS.get(batch)
+        colors = ["tab:blue" if goal is None or s >= goal else "tab:orange" for s in speedups]
+        ax.bar(range(len(mine)), speedups, color=colors)
+        if goal:
+            ax.axhline(goal, color="tab:red", linestyle="dashed", label=f"goal {goal}x (issue 3)")
+            ax.legend(fontsize=7, loc="lower right")
+        ax.axhline(1.0, color="black", linewidth=0.5)
+        ax.set_xticks(range(len(mine)), names, fontsize=7, rotation=60, ha="right")
+        ax.set_ylabel("x cuBLAS")
+        # bench_kernel.py times the SpMV up to 16 rows; the prefill expands to dense for cuBLAS
+        ax.set_title(f"prefill of {batch} tokens (expand + cuBLAS)" if batch > 16 else f"batch {batch} (SpMV)",
+                     fontsize=9)
+    fig.suptitle(f"2:4 kernel over cuBLAS bf16, per linear shape; orange: under issue 3's goal ({label})", fontsize=10)
+    fig.tight_layout()
+    path = out / "kernel_speedup.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--decode", nargs="*", default=[], help="bench_decode.json files")
+    p.add_argument("--kernel", help="bench_kernel.py --out-json file")
+    p.add_argument("--label", required=True, help="where and when it was measured, for the titles")
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args()
+    missing = [f for f in [*args.decode, args.kernel] if f and not Path(f).is_file()]
+    if missing:
+        sys.exit(f"plot_speed: no such file: {', '.join(missing)}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.decode:
+        print(plot_decode(args.decode, args.out, args.label))
+    if args.kernel:
+        print(plot_kernel(args.kernel, args.out, args.label))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""scripts/plot_speed.py: the measured JSON files grouped into bars (one per engine and pattern,
+every process a dot), issue 5's goal lines, and both figures written as PNGs; a missing input is
+one clear error line."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+import plot_speed  # noqa: E402
+
+
+def decode_file(tmp_path, name, rows):
+    path = tmp_path / name
+    path.write_text(json.dumps({"environment": {"date": "2026-12-04 16:45 UTC"}, "rows": rows}))
+    return path
+
+
+def row(model, pattern, tok_s, engine="ours", bound=1.0, batch=1):
+    return dict(model=model, pattern=pattern, batch=batch, engine=engine, tok_s=tok_s, bound_speedup=bound)
+
+
+@pytest.fixture
+def decode_files(tmp_path):
+    return [decode_file(tmp_path, "a.json", [row("Llama-3.1-8B", "dense", 212.8), row("Llama-3.1-8B", "8:16", 353.1,
+                                                                                           bound=1.678)]),
+            decode_file(tmp_path, "b.json", [row("Llama-3.1-8B", "dense", 223.5),
+                                             row("Llama-3.1-8B", "dense", 174.9, engine="gpt-fast"),
+                                             row("Qwen3-14B", "dense", 124.9), row("Qwen3-14B", "2:4", 201.8, bound=1.699)])]
+
+
+def test_processes_are_grouped_per_model_and_bar(decode_files):
+    processes, bounds = plot_speed.decode_processes(decode_files)
+    assert processes["Llama-3.1-8B", 1] == {"ours dense": [212.8, 223.5], "ours 8:16": [353.1],
+                                            "GPT-Fast dense": [174.9]}
+    assert bounds == {("Llama-3.1-8B", 1, "ours 8:16"): 1.678, ("Qwen3-14B", 1, "ours 2:4"): 1.699}
+    order = sorted(processes["Llama-3.1-8B", 1], key=plot_speed.bar_order)
+    assert order == ["GPT-Fast dense", "ours dense", "ours 8:16"]
+
+
+def test_goals_follow_issue_5():
+    assert plot_speed.decode_goal("Llama-3.1-8B", 1, 200.0, 1.68) == pytest.approx(320.0)  # 1.6x the fastest dense
+    assert plot_speed.decode_goal("Llama-3.1-8B", 4, 200.0, 1.68) == pytest.approx(270.0)  # 1.35x
+    assert plot_speed.decode_goal("Qwen3-14B", 1, 100.0, 1.7) == pytest.approx(161.5)  # 95 % of the bound
+    assert plot_speed.decode_goal("Llama-3.1-8B", 16, 200.0, 1.68) is None
+
+
+def test_both_figures_are_written(decode_files, tmp_path):
+    kernel = tmp_path / "kernel.json"
+    kernel.write_text(json.dumps([dict(model="Llama-3.1-8B", layer=layer, out=4096, inp=4096, batch=batch, speedup=s)
+                                  for batch, s in ((1, 1.65), (4, 1.3), (8, 0.9), (2048, 0.86))
+                                  for layer in ("qkv", "o")]))
+    out = tmp_path / "plots"
+    subprocess.run([sys.executable, str(Path(plot_speed.__file__)), "--decode", *map(str, decode_files),
+                    "--kernel", str(kernel), "--label", "test", "--out", str(out)], check=True, capture_output=True)
+    for name in ("decode_speed.png", "kernel_speedup.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_missing_input_is_one_clear_error(tmp_path):
+    result = subprocess.run([sys.executable, str(Path(plot_speed.__file__)), "--kernel", str(tmp_path / "none.json"),
+                             "--label", "x", "--out", str(tmp_path)], capture_output=True, text=True)
+    assert result.returncode != 0 and result.stderr.strip().splitlines() == [
+        f"plot_speed: no such file: {tmp_path / 'none.json'}"]
