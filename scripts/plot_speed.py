@@ -49,11 +49,23 @@ def bar_order(label: str):
     return (engine != "GPT-Fast", pattern != "dense", int(pattern.split(":")[1]) if ":" in pattern else 0)
 
 
-def plot_decode(paths, out: Path, label: str) -> Path:
+def pyplot():
     import matplotlib
-    matplotlib.use("Agg")
+    matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
+    return plt
 
+
+def save(fig, path: Path, title: str) -> Path:
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    pyplot().close(fig)
+    return path
+
+
+def plot_decode(paths, out: Path, label: str) -> Path:
+    plt = pyplot()
     processes, bounds = decode_processes(paths)
     panels = sorted(processes)
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4.2), squeeze=False)
@@ -78,19 +90,11 @@ def plot_decode(paths, out: Path, label: str) -> Path:
         ax.set_title(f"{model}, batch {batch}", fontsize=10)
         ax.set_ylabel("tokens/s per sequence")
         ax.legend(fontsize=7, loc="lower right")
-    fig.suptitle(f"Decode speed, one dot per fresh process ({label})", fontsize=10)
-    fig.tight_layout()
-    path = out / "decode_speed.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save(fig, out / "decode_speed.png", f"Decode speed, one dot per fresh process ({label})")
 
 
 def plot_kernel(path_in, out: Path, label: str) -> Path:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     rows = json.loads(Path(path_in).read_text())
     batches = sorted({r["batch"] for r in rows})
     fig, axes = plt.subplots(len(batches), 1, figsize=(10, 2.2 * len(batches) + 1), squeeze=False, sharex=True)
@@ -110,12 +114,8 @@ def plot_kernel(path_in, out: Path, label: str) -> Path:
         # bench_kernel.py times the SpMV up to 16 rows; the prefill expands to dense for cuBLAS
         ax.set_title(f"prefill of {batch} tokens (expand + cuBLAS)" if batch > 16 else f"batch {batch} (SpMV)",
                      fontsize=9)
-    fig.suptitle(f"2:4 kernel over cuBLAS bf16, per linear shape; orange: under issue 3's goal ({label})", fontsize=10)
-    fig.tight_layout()
-    path = out / "kernel_speedup.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save(fig, out / "kernel_speedup.png",
+                f"2:4 kernel over cuBLAS bf16, per linear shape; orange: under issue 3's goal ({label})")
 
 
 def main():
