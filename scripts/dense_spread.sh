@@ -8,12 +8,13 @@
 # Each run logs Inductor's coordinate-descent searches (TORCH_LOGS), and picks_N.txt sets each
 # kernel's pick, the time the tuner measured for it, and its time a call in the step side by side
 # (scripts/inductor_picks.py): whether a slow process's slow kernel also measured slow while tuning.
-# (2026-12-04: every pick measured above its time in the step, the small ones by 20-45 µs: the launch
-# was timed, not the kernel; generate.py now times the tuner on the device clock, TUNE_ON_DEVICE_CLOCK.)
+# (2026-12-04: all picks but one measured above their time in the step, the small ones by 20-45 µs:
+# the launch was timed, not the kernel; generate.py now times the tuner on the device clock,
+# TUNE_ON_DEVICE_CLOCK.)
 # VARIANT='FILE:SED' (optional): every process runs with this edit made to the tree, restored on
 # exit, e.g. a wider coordinate-descent search in generate.py's INDUCTOR_OPTIONS (gpu_session.sh
 # dense_spread_wide).
-#   usage: [VARIANT='FILE:SED'] OUT=dir scripts/dense_spread.sh [N]     (~1.1 min a process on a warm H200)
+#   usage: [VARIANT='FILE:SED'] OUT=dir scripts/dense_spread.sh [N]     (1.1-2.6 min a process on an H200, 2026-12-04)
 set -uo pipefail
 n=${1:-2}
 mkdir -p "$OUT"

@@ -85,7 +85,7 @@
 #                   attention loading each block's V with its K (decode_attention.LOAD_V_WITH_K) (~6)
 #   dense_spread    dense_spread.sh: our dense at batch 1 with --profile twice, each with a fresh Inductor cache,
 #                   then once more in the first's cache directory (which tuned anew, 2026-12-04); each kernel's
-#                   pick beside the time the tuner measured for it and its time in the step (~4 on a warm machine)
+#                   pick beside the time the tuner measured for it and its time in the step (3.4-7.7 on 2026-12-04)
 #   dense_spread_short  the same with one fresh cache (run 1, then 1r): two processes, for when tuning takes longer
 #   dense_spread_wide  the same with Inductor's coordinate descent searching wider (every direction, radius 2:
 #                   generate.py's INDUCTOR_OPTIONS edited for the job); worth a run if dense_spread's picks show the

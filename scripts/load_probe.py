@@ -156,9 +156,10 @@ def read(values: torch.Tensor, mask: torch.Tensor, config, interleaved: torch.Te
     split = triton.cdiv(n_words, slices * words_per_warp)
     if x is None:
         out = torch.empty(n_rows // 32 * split, dtype=torch.int32, device=mask.device)
+        workspace = arrivals = mask  # unused pointers: compiled out
     else:
         out = torch.empty(n_rows, dtype=torch.float32, device=mask.device)
-    workspace, arrivals = kernels._workspace(mask.device, n_rows, n_rows // 32)  # the SpMV's, left zeroed
+        workspace, arrivals = kernels._workspace(mask.device, n_rows, n_rows // 32)  # the SpMV's, left zeroed
     source = mask if interleaved is None else interleaved
     _read_kernel[(n_rows // 32, split)](
         mask if x is None else x, source, values.view(torch.int32), out, workspace, arrivals, n_rows, n_words,
