@@ -239,6 +239,14 @@ def tune_on_device_clock() -> None:
     CachingAutotuner.bench = bench_on_device_clock
 
 
+def inductor_tuner_clock() -> str:
+    """How Inductor's tuner times candidates in this process: 'device' once tune_on_device_clock()
+    has wrapped it, else 'events' (CUDA events around Python launches). Benchmarks record it."""
+    from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+
+    return "device" if getattr(CachingAutotuner.bench, "on_device_clock", False) else "events"
+
+
 def compiled(fn, mode: Optional[str] = None, **compile_args):
     """torch.compile(fn, mode=mode, **compile_args) with INDUCTOR_OPTIONS, made once per process and
     reused by every generate() call.

@@ -86,7 +86,7 @@ def time_decode(model, batch_size: int, args, label: str = "run") -> dict:
         profile_steps(lambda: generate.generate(model, prompts, args.new_tokens, **sampling), args.new_tokens - 1,
                       args.out / f"profile_{label.replace(':', '-')}.txt")
     return dict(median_step_s=statistics.median(measured), measured_steps=len(measured),
-                first_call_s=round(warmup_s, 1))
+                first_call_s=round(warmup_s, 1), inductor_tuner_clock=generate.inductor_tuner_clock())
 
 
 def run_gptfast(gptfast_dir: Path, model_name: str, batch_size: int, args, timeout_s: float) -> dict:

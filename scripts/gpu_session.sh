@@ -31,6 +31,8 @@
 #   spmv_gpu_tests  pytest -m gpu over the SpMV kernel's tests (test_sparse_kernels.py, every candidate config) only
 #   decode_gpu_tests  pytest -m gpu over the SpMV, SparseLinear, decode attention and generate tests (~8.5 in session 20)
 #   spmm_gpu_tests  pytest -m gpu over the tensor-core SpMM's tests (every tile shape with each K loop) (~3)
+#   tuner_gpu_tests  pytest -m gpu over test_generate.py's device-clock tuning tests only: a compile with
+#                   Inductor's tuner on the profiler's kernel times, before any decode job relies on it (~1)
 #   attention_gpu_tests  pytest -m gpu over the decode attention, SparseLinear (the measured SpMV/SpMM
 #                   route) and generate tests: decode_gpu_tests without the SpMV kernel's own (it took 8.4 min
 #                   in session 20) (~4)
@@ -152,6 +154,7 @@ declare -A JOBS=(
   [spmv_gpu_tests]="$PYTEST_GPU tests/test_sparse_kernels.py"
   [new_gpu_tests]="$PYTEST_GPU tests/test_sparse_spmm.py tests/test_decode_attention.py -k 'llama_shape or model_decode_matches_sdpa'"
   [spmm_gpu_tests]="$PYTEST_GPU tests/test_sparse_spmm.py"
+  [tuner_gpu_tests]="$PYTEST_GPU tests/test_generate.py -k device_clock"
   [attention_gpu_tests]="$PYTEST_GPU tests/test_decode_attention.py tests/test_sparse_linear.py tests/test_generate.py"
   [decode_gpu_tests]="$PYTEST_GPU tests/test_sparse_kernels.py tests/test_sparse_linear.py tests/test_decode_attention.py tests/test_generate.py"
   [load_probe]="python3 scripts/load_probe.py --shapes 6144x4096,4096x4096,28672x4096,4096x14336,5120x5120 > \$JOB/load_probe.md; cat \$JOB/load_probe.md"

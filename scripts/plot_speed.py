@@ -10,9 +10,13 @@ date in the name), two figures:
   Input: scripts/bench_decode.py's bench_decode.json, any number of them.
 - kernel: one panel per batch size, each shape's speedup over cuBLAS with issue 3's goal line.
   Input: scripts/bench_kernel.py's --out-json.
+- dense spread: our dense engine's step time in every fresh process, in named groups (e.g. how
+  Inductor's tuner timed its candidates), against issue 2's 80 %-of-copy line. Input: --spread
+  'GROUP=FILE,FILE...' (bench_decode.json files; their dense rows of our engine at batch 1).
 
     python scripts/plot_speed.py --decode docs/results/speed/2026-12-04_*decode*.json \\
-        --kernel docs/results/speed/2026-12-04_kernel_table_b1.json --label "H200, 2026-12-04" --out docs/results/speed
+        --kernel docs/results/speed/2026-12-04_kernel_table_b1.json --label "H200, 2026-12-04" --out docs/results/speed \\
+        --spread "tuned on CUDA events=A.json,B.json" "tuned on the device clock=C.json,D.json"
 """
 import argparse
 import json
@@ -41,6 +45,22 @@ def decode_goal(model: str, batch: int, fastest_dense: float, bound: float):
     if model.startswith("Qwen3") and batch == 1:
         return 0.95 * bound * fastest_dense
     return {1: 1.6, 4: 1.35, 8: 1.2}.get(batch, 0) * fastest_dense or None
+
+
+def spread_groups(specs) -> dict:
+    """{group: {model: [(step ms, % of copy) of each process]}} from 'GROUP=FILE,FILE...' specs: our
+    engine's dense rows at batch 1 (the baseline issue 2's 80 % goal is about)."""
+    groups = {}
+    for spec in specs:
+        group, sep, files = spec.partition("=")
+        if not sep or not group or not files:
+            sys.exit(f"plot_speed: --spread takes 'GROUP=FILE,FILE...', not {spec!r}")
+        groups[group] = defaultdict(list)
+        for path in files.split(","):
+            for row in json.loads(Path(path).read_text())["rows"]:
+                if row["engine"] == "ours" and row["pattern"] == "dense" and row["batch"] == 1:
+                    groups[group][row["model"]].append((row["median_step_ms"], row["pct_of_copy"]))
+    return groups
 
 
 def bar_order(label: str):
@@ -118,14 +138,43 @@ def plot_kernel(path_in, out: Path, label: str) -> Path:
                 f"2:4 kernel over cuBLAS bf16, per linear shape; orange: under issue 3's goal ({label})")
 
 
+def plot_spread(specs, out: Path, label: str) -> Path:
+    plt = pyplot()
+    groups = spread_groups(specs)
+    models = sorted({model for processes in groups.values() for model in processes})
+    fig, axes = plt.subplots(1, len(models), figsize=(2.2 * len(groups) + 2.5, 4.2), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        goal_ms = []
+        for i, group in enumerate(groups):
+            runs = groups[group].get(model, [])
+            ax.plot([i] * len(runs), [ms for ms, _ in runs], "k.", ms=7, alpha=0.7)
+            if runs:
+                ax.annotate(f"{min(ms for ms, _ in runs):.2f}-{max(ms for ms, _ in runs):.2f} ms\n{len(runs)} processes",
+                            (i, max(ms for ms, _ in runs)), xytext=(0, 6), textcoords="offset points",
+                            ha="center", fontsize=7)
+            # the step at 80 % of copy: this process's step time x its % of copy / 80
+            goal_ms += [ms * pct / 80 for ms, pct in runs]
+        if goal_ms:
+            ax.axhline(sum(goal_ms) / len(goal_ms), color="tab:red", linestyle="dashed", label="80 % of copy (issue 2)")
+            ax.legend(fontsize=7, loc="lower right")
+        ax.set_xticks(range(len(groups)), list(groups), fontsize=8, rotation=15)
+        ax.set_xlim(-0.6, len(groups) - 0.4)
+        ax.set_title(f"{model} dense, batch 1", fontsize=10)
+        ax.set_ylabel("decode step, ms (lower is faster)")
+    return save(fig, out / "dense_spread.png", f"Our dense decode step, one dot per fresh process ({label})")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--decode", nargs="*", default=[], help="bench_decode.json files")
     p.add_argument("--kernel", help="bench_kernel.py --out-json file")
+    p.add_argument("--spread", nargs="*", default=[], metavar="GROUP=FILE,FILE...",
+                   help="groups of bench_decode.json files: our dense step in each process, side by side")
     p.add_argument("--label", required=True, help="where and when it was measured, for the titles")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
-    missing = [f for f in [*args.decode, args.kernel] if f and not Path(f).is_file()]
+    spread_files = [f for spec in args.spread for f in spec.partition("=")[2].split(",") if f]
+    missing = [f for f in [*args.decode, args.kernel, *spread_files] if f and not Path(f).is_file()]
     if missing:
         sys.exit(f"plot_speed: no such file: {', '.join(missing)}")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -133,6 +182,8 @@ def main():
         print(plot_decode(args.decode, args.out, args.label))
     if args.kernel:
         print(plot_kernel(args.kernel, args.out, args.label))
+    if args.spread:
+        print(plot_spread(args.spread, args.out, args.label))
 
 
 if __name__ == "__main__":

@@ -321,9 +321,11 @@ def test_inductor_tuner_times_gpu_candidates_on_the_device_clock(monkeypatch, ca
         return 1.0
 
     monkeypatch.setattr(CachingAutotuner, "bench", bench)
+    assert generate.inductor_tuner_clock() == "events"
     generate.tune_on_device_clock()
     generate.tune_on_device_clock()  # idempotent: one wrapper around Inductor's bench
     assert CachingAutotuner.bench.__wrapped__ is bench
+    assert generate.inductor_tuner_clock() == "device"  # what bench_decode.py records with each row
     on = {kind: SimpleNamespace(device_props=SimpleNamespace(type=kind)) for kind in ("cuda", "cpu")}
     assert CachingAutotuner.bench(on["cuda"], "launcher") == 1.0
     CachingAutotuner.bench(on["cpu"], "launcher")
@@ -344,6 +346,7 @@ def test_inductor_tuner_times_gpu_candidates_on_the_device_clock(monkeypatch, ca
     old = CachingAutotuner.bench
     generate.tune_on_device_clock()
     assert CachingAutotuner.bench is old and "no with_profiler switch" in capsys.readouterr().err
+    assert generate.inductor_tuner_clock() == "events"
 
 
 @pytest.mark.gpu

@@ -19,7 +19,9 @@ def decode_file(tmp_path, name, rows):
 
 
 def row(model, pattern, tok_s, engine="ours", bound=1.0, batch=1):
-    return dict(model=model, pattern=pattern, batch=batch, engine=engine, tok_s=tok_s, bound_speedup=bound)
+    step_ms = 1000 / tok_s
+    return dict(model=model, pattern=pattern, batch=batch, engine=engine, tok_s=tok_s, bound_speedup=bound,
+                median_step_ms=step_ms, pct_of_copy=round(100 * 15.111 / step_ms / 4.27, 1))
 
 
 @pytest.fixture
@@ -57,6 +59,27 @@ def test_both_figures_are_written(decode_files, tmp_path):
                     "--kernel", str(kernel), "--label", "test", "--out", str(out)], check=True, capture_output=True)
     for name in ("decode_speed.png", "kernel_speedup.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_spread_groups_hold_our_dense_processes_at_batch_1(decode_files, tmp_path):
+    other = decode_file(tmp_path, "c.json", [row("Llama-3.1-8B", "dense", 230.0), row("Llama-3.1-8B", "dense", 150.0,
+                                                                                     batch=4)])
+    groups = plot_speed.spread_groups([f"events={decode_files[0]},{decode_files[1]}", f"device={other}"])
+    assert list(groups) == ["events", "device"]
+    assert [ms for ms, _ in groups["events"]["Llama-3.1-8B"]] == pytest.approx([1000 / 212.8, 1000 / 223.5])  # no GPT-Fast
+    assert groups["events"]["Qwen3-14B"] == [(pytest.approx(1000 / 124.9), pytest.approx(44.2, abs=0.1))]
+    assert [ms for ms, _ in groups["device"]["Llama-3.1-8B"]] == pytest.approx([1000 / 230.0])  # no batch 4
+    out = tmp_path / "plots"
+    subprocess.run([sys.executable, str(Path(plot_speed.__file__)), "--spread", f"events={decode_files[0]}",
+                    f"device={other}", "--label", "test", "--out", str(out)], check=True, capture_output=True)
+    assert (out / "dense_spread.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_spread_without_its_group_name_is_one_clear_error(decode_files, tmp_path):
+    result = subprocess.run([sys.executable, str(Path(plot_speed.__file__)), "--spread", str(decode_files[0]),
+                             "--label", "x", "--out", str(tmp_path)], capture_output=True, text=True)
+    assert result.returncode != 0 and result.stderr.strip().splitlines() == [
+        f"plot_speed: --spread takes 'GROUP=FILE,FILE...', not {str(decode_files[0])!r}"]
 
 
 def test_a_missing_input_is_one_clear_error(tmp_path):
