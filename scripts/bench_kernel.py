@@ -34,7 +34,7 @@ import torch.nn.functional as F
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from sparse import kernels, linear, spmm  # noqa: E402
+from sparse import kernels, linear, mma_sp, spmm  # noqa: E402
 from sparse.format import pack, parse_pattern  # noqa: E402
 from sparse.linear import PROLOGUE_APART_MIN_ROWS, spmm_min_rows  # noqa: E402
 
@@ -273,6 +273,10 @@ def bench_shape(out_features, in_features, batch, pattern, with_semi=True, layer
     if layer in DECODE_FUSION and batch < spmm_min_rows(parse_pattern(pattern) == (2, 4)):
         decode_call = unfused_sparse_call if has_prologue(layer) and batch >= PROLOGUE_APART_MIN_ROWS else fused_sparse_call
         fused_us = kernels.time_in_cuda_graph([decode_call(layer, batch, v, m) for v, m in packed])
+    tensor_core_us = None
+    if pattern == "2:4" and batch <= mma_sp.MAX_ROWS:  # the same weights on the sparse tensor cores
+        mma_sp.spmv_2of4_tuned(x, values, mask)  # (slices, words per warp, unroll) for this shape
+        tensor_core_us = kernels.time_in_cuda_graph([lambda v=v, m=m: mma_sp.spmv_2of4(x, v, m) for v, m in packed])
     del packed
     weights = [weight] + [weight.clone() for _ in range(kernels.copies_for(dense_bytes) - 1)]
     dense_us = kernels.time_in_cuda_graph([lambda w=w: F.linear(x, w) for w in weights])
@@ -281,6 +285,9 @@ def bench_shape(out_features, in_features, batch, pattern, with_semi=True, layer
                sparse_us=sparse_us, fused_us=fused_us, dense_us=dense_us, speedup=dense_us / sparse_us,
                sparse_gbps=(sparse_bytes + io_bytes) / sparse_us / 1e3,
                dense_gbps=(dense_bytes + io_bytes) / dense_us / 1e3, sparse_bytes=sparse_bytes + io_bytes)
+    if tensor_core_us is not None:
+        row.update(tensor_core_us=tensor_core_us, tensor_core_speedup=dense_us / tensor_core_us,
+                   tensor_core_config=mma_sp.spmv_2of4_config(x, mask))
     if batch <= kernels.MAX_SPMV_BATCH:  # the configs the tuner picked (already timed: no tuning here)
         row["config"] = kernels.spmv_config(x, values, mask, kernels.packs_x(x))
         if fused_us is not None and decode_call is fused_sparse_call:
@@ -418,17 +425,20 @@ def markdown_table(rows: list) -> str:
              "Times in µs per call inside a CUDA graph; speedup = cuBLAS time / sparse time; torch 2:4 is "
              "`to_sparse_semi_structured` + F.linear timed eagerly; fused µs: the same SpMV with the work a "
              "decode step gives it (RMSNorm before qkv/w13, silu·mul before w2, residual after o/w2; from "
-             f"{PROLOGUE_APART_MIN_ROWS} rows the prologue as its own Inductor kernel before the SpMV, as the step runs it).", "",
-             "| model | layer | out×in | batch | sparse µs | GB/s | floor µs | cuBLAS µs | speedup | fused µs | torch 2:4 µs | vs 2:4 |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"{PROLOGUE_APART_MIN_ROWS} rows the prologue as its own Inductor kernel before the SpMV, as the step runs it); "
+             "sparse TC: the same 2:4 weights on the sparse tensor cores (sparse/mma_sp.py, no fusions), x cuBLAS.", "",
+             "| model | layer | out×in | batch | sparse µs | GB/s | floor µs | cuBLAS µs | speedup | fused µs | torch 2:4 µs | vs 2:4 "
+             "| sparse TC µs (x cuBLAS) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         semi = f"{r['semi_us']:.1f}" if r.get("semi_us") else (r.get("semi_error") or "-")
         vs_semi = f"{r['speedup_vs_semi']:.2f}×" if r.get("speedup_vs_semi") else "-"
         floor_us = r["sparse_bytes"] / peak_gbps / 1e3
         fused = f"{r['fused_us']:.1f}" if r.get("fused_us") else "-"
+        tensor_core = f"{r['tensor_core_us']:.1f} ({r['tensor_core_speedup']:.2f}×)" if r.get("tensor_core_us") else "-"
         lines.append(f"| {r['model']} | {r['layer']} | {r['out']}×{r['inp']} | {r['batch']} | {r['sparse_us']:.1f} | "
                      f"{r['sparse_gbps']:.0f} | {floor_us:.1f} | {r['dense_us']:.1f} | {r['speedup']:.2f}× | "
-                     f"{fused} | {semi} | {vs_semi} |")
+                     f"{fused} | {semi} | {vs_semi} | {tensor_core} |")
     return "\n".join(lines) + "\n"
 
 

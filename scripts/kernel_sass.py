@@ -31,10 +31,9 @@ TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 SASS_LINE = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_]+)")
 
 
-def innermost_loop(sass: str, marker: str = "SHFL"):
-    """(opcode, line) of the word loop's instructions, in program order: the shortest span from a
-    backward branch's target to the branch that holds a `marker` instruction (SHFL: the SpMV's
-    loop shuffles x, the fused variant's sum-of-squares loop does not; HGMMA: the SpMM's K loop, wgmma on sm_90)."""
+def loops_with(sass: str, marker: str):
+    """Every loop of the SASS (the span from a backward branch's target to the branch) that holds a
+    `marker` instruction, each as (opcode, line) in program order."""
     lines = [(int(m.group(1), 16), m.group(3), line) for line in sass.splitlines() if (m := SASS_LINE.match(line))]
     offsets = {address: i for i, (address, _, _) in enumerate(lines)}
     loops = []
@@ -42,8 +41,14 @@ def innermost_loop(sass: str, marker: str = "SHFL"):
         target = re.search(r"BRA\s.*?0x([0-9a-f]+)", line) if opcode == "BRA" else None
         if target and int(target.group(1), 16) < address and int(target.group(1), 16) in offsets:
             loops.append(lines[offsets[int(target.group(1), 16)]:i + 1])
-    loops = [loop for loop in loops if any(op.startswith(marker) for _, op, _ in loop)]
-    return [(op, text) for _, op, text in min(loops, key=len)] if loops else []
+    return [[(op, text) for _, op, text in loop] for loop in loops if any(op.startswith(marker) for _, op, _ in loop)]
+
+
+def innermost_loop(sass: str, marker: str = "SHFL"):
+    """(opcode, line) of the word loop's instructions, in program order: the shortest loop that holds
+    a `marker` instruction (SHFL: the SpMV's loop shuffles x, the fused variant's sum-of-squares loop
+    does not; HGMMA: the SpMM's K loop, wgmma on sm_90)."""
+    return min(loops_with(sass, marker), key=len, default=[])
 
 
 def kernels_module(revision: str = None):
@@ -134,6 +139,25 @@ def compile_spmm(two_of_four: bool, block_out: int = 128, words: int = 2, num_wa
     mix = {op: loop.count(op) for op in sorted(set(loop), key=loop.count, reverse=True)}
     return dict(registers=registers, spill_bytes=spill_bytes, shared_bytes=shared, loop=len(loop),
                 per_kept_weight=len(loop) / kept_per_thread, mix=mix, sass=sass)
+
+
+def compile_mma_sp(batch: int, slices: int = 4, unroll: int = 2) -> dict:
+    """sparse/mma_sp.py's kernel for sm_90a (bf16 x of `batch` rows, 2:4): registers, spills, the word
+    loop's instructions and those per kept weight (a warp's word: 16 rows x 16 kept values), and
+    the loads a word; the word loop unrolled `unroll` times."""
+    sys.path.insert(0, str(ROOT))
+    from sparse import mma_sp
+    pointers = dict(x_ptr="*bf16", values_ptr="*bf16", mask_ptr="*i32", y_ptr="*bf16")
+    constants = dict(SLICES=slices, N_BLOCKS=triton.cdiv(batch, 8), EVEN_K=True, UNROLL=unroll, INTERPRETER_SAFE=False)
+    sass, registers, spill_bytes, shared = compile_for_sm90a(mma_sp._mma_sp_kernel, pointers, constants, slices,
+                                                             divisible_by_16=[*pointers, "n_rows", "n_words"])
+    # The main word loop: the one with the most sparse MMAs (an unrolled loop leaves a shorter
+    # remainder loop beside it); its instructions per word and per kept weight (16 rows x 16 kept).
+    loop = max(loops_with(sass, "HMMA"), key=lambda loop: sum(".SP." in text for _, text in loop))
+    words = sum(".SP." in text for _, text in loop) // constants["N_BLOCKS"]
+    return dict(registers=registers, spill_bytes=spill_bytes, shared_bytes=shared, words_in_loop=words,
+                per_word=len(loop) / words, per_kept_weight=len(loop) / words * 32 / (16 * 16),
+                loads_per_word=sum(op.startswith("LDG") for op, _ in loop) / words, sass=sass)
 
 
 def compile_spmv(kernels, batch: int, slices: int, prefetch: int, nnz_per_word: int = 16,

@@ -1,0 +1,338 @@
+"""2:4 product on the sparse tensor cores: y = x @ W.T for 1..16 rows of bf16 x with Hopper's
+(and Ampere's) warp-level `mma.sp` (m16n8k32: 16 weight rows x 32 input columns, of which the
+instruction reads only the 16 kept values a row, against 8 rows of x), issued as inline PTX from
+Triton, which has no sparse dot of its own.
+
+Why: the SpMV (sparse/kernels.py) spends ~8.6 thread instructions per kept weight at batch 1 on
+its bit scan, shuffles and FMAs, and ~3x that at 8 rows, so it runs 4-7 % over its own weight
+reads at batch 1 and falls behind cuBLAS from 8 rows (docs/KERNEL_NOTES.md, sessions 22-23). One
+`mma.sp` does 256 kept weights x 8 rows; around it a thread issues two 8-byte value loads, two
+mask words, four 4-byte loads of x (L1 hits) and ~25 integer instructions that turn the two mask
+words into the instruction's metadata: 6.1 thread instructions per kept weight at 1-8 rows in
+the sm_90a machine code (7.5 at 16: two instructions, x loaded twice; tests/test_kernel_sass.py).
+2:4 only: the tensor cores take exactly two kept values in every aligned group of four columns,
+which 4:8 and wider patterns do not promise.
+
+The instruction's fragments (PTX ISA, "Matrix Fragments for sparse mma.m16n8k32 with .f16 and
+.bf16 types"), for thread (g, t) = (lane // 4, lane % 4) of a warp:
+  A (16 rows x 32 columns, two kept in each group of four): a0 = row g, group t (its two kept
+      values, a bf16 pair), a1 = row g + 8, group t, a2 / a3 = rows g / g + 8, group 4 + t;
+  B (32 x 8, x^T): b_j = x[row g, columns 8j + 2t, 8j + 2t + 1] for j = 0..3;
+  e (metadata, selector 0: threads t = 0 and 1): per group of four columns the two kept
+      positions' 2-bit indices, first in the low bits; t = 0: groups 0-3 of row g (bits 0-15)
+      and of row g + 8 (bits 16-31); t = 1: groups 4-7 (as Triton-XLA's SparseDot lowering reads
+      the ISA's figure);
+  C/D: d0, d1 = row g, x rows 2t and 2t + 1; d2, d3 = row g + 8, the same x rows.
+Same buffers as the SpMV, no new format (sparse/format.py): the registers are filled straight
+from the packed layout with the instruction's K order permuted so that each thread's A registers
+are four consecutive kept values of a row (`_word_pointers`), and the metadata is computed from
+the bitmask in registers (`_thread_metadata`). Kept values are stored in column order, so the two
+of each group of four are consecutive, as mma.sp takes them. Under TRITON_INTERPRET=1 the same
+kernel runs with `_mma_sp_emulated`, which computes each thread's D from the other threads'
+fragments by this layout (gathers across the warp), so the CPU tests check the fragments, the
+permutation, the metadata and everything around them; the GPU tests check that the hardware
+reads the fragments the same way.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from .kernels import INTERPRETING, fastest_in_cuda_graph
+
+MAX_ROWS = 16  # two m16n8k32 instructions per tile and word
+
+
+@triton.jit
+def _metadata_of(word):
+    """mma.sp's metadata for a 32-column mask word with two set bits in every aligned nibble: each
+    nibble b3b2b1b0 becomes (second index << 2) | first index, computed for all eight nibbles at
+    once (bitwise within nibbles, no carries across them).
+
+    first = 0 if b0 else 1 if b1 else 2; second = 3 if b3 else 2 if b2 else 1."""
+    ones = 0x11111111
+    b0 = word & ones
+    b1 = (word >> 1) & ones
+    b2 = (word >> 2) & ones
+    b3 = (word >> 3) & ones
+    first_low = b1 & (b0 ^ ones)  # XOR with `ones` is NOT within the nibbles' low bits (the
+    first_high = (b0 | b1) ^ ones  # interpreter has no ~ on uint32)
+    second_low = b3 | (b2 ^ ones)
+    second_high = b3 | b2
+    return first_low | (first_high << 1) | (second_low << 2) | (second_high << 3)
+
+
+@triton.jit
+def _load_u32(ptr, COUNT: tl.constexpr, CACHED: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
+    """A tuple of COUNT (1 or 2) consecutive uint32 at each thread's ptr: streamed through L2 (.cg,
+    weights are read once a call) or, with CACHED, through L1 too (.ca: x, read by every warp)."""
+    if INTERPRETER_SAFE:
+        words = (tl.load(ptr), ) if COUNT == 1 else (tl.load(ptr), tl.load(ptr + 1))
+    elif COUNT == 1:
+        words = (tl.inline_asm_elementwise("ld.global.ca.u32 $0, [$1];" if CACHED else "ld.global.cg.u32 $0, [$1];",
+                                           "=r,l", [ptr], dtype=tl.uint32, is_pure=True, pack=1), )
+    else:
+        words = tl.inline_asm_elementwise("ld.global.cg.v2.u32 {$0, $1}, [$2];", "=r,=r,l", [ptr],
+                                          dtype=(tl.uint32, tl.uint32), is_pure=True, pack=1)
+    return words
+
+
+@triton.jit
+def _bytes_0_and_2(low, high, INTERPRETER_SAFE: tl.constexpr):
+    """Bytes 0 and 2 of `low`, then bytes 0 and 2 of `high`, as one uint32 (one PRMT)."""
+    if INTERPRETER_SAFE:
+        picked = (low & 0xFF) | ((low >> 8) & 0xFF00) | ((high & 0xFF) << 16) | ((high << 8) & 0xFF000000)
+    else:
+        picked = tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, 0x6420;", "=r,r,r", [low, high], dtype=tl.uint32,
+                                           is_pure=True, pack=1)
+    return picked
+
+
+@triton.jit
+def _thread_metadata(word_low, word_high, ODD, INTERPRETER_SAFE: tl.constexpr):
+    """The metadata register of a thread (selector 0): the even (ODD false) or odd groups of four
+    columns of its rows g (word_low: bits 0-15) and g + 8 (word_high: bits 16-31), four nibbles
+    each in group order. The two rows' chosen nibbles are interleaved into one word first, so one
+    `_metadata_of` serves both; ODD may differ per thread."""
+    shift = tl.where(ODD, 4, 0).to(tl.uint32)
+    nibbles = 0x0F0F0F0F
+    both = _metadata_of(((word_low >> shift) & nibbles) | (((word_high >> shift) & nibbles) << 4))
+    low = both & nibbles  # row g's four nibbles, one a byte
+    high = (both >> 4) & nibbles
+    low = (low | (low >> 4)) & 0x00FF00FF  # two a byte, in bytes 0 and 2
+    high = (high | (high >> 4)) & 0x00FF00FF
+    return _bytes_0_and_2(low, high, INTERPRETER_SAFE)
+
+
+@triton.jit
+def _half(bits, HIGH):
+    """float32 of the bf16 in the low (HIGH false) or high half of each uint32; HIGH may differ per
+    thread."""
+    return tl.where(HIGH, bits & 0xFFFF0000, bits << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _from_lane(bits, lane):
+    """Each thread's view of `bits` as held by `lane` of its own warp (a gather across the program)."""
+    thread = tl.arange(0, bits.shape[0])
+    return tl.gather(bits, thread // 32 * 32 + lane, 0)
+
+
+@triton.jit
+def _mma_sp_emulated(a, b, c, e):
+    """What `mma.sp.sync.aligned.m16n8k32.row.col.f32.bf16.bf16.f32 d, a, b, c, e, 0` leaves in each
+    thread's d (a tuple of 4 float32), computed from every thread's fragments by the layout in the
+    module docstring, for the interpreter: the sum runs over the 16 kept values of each of the
+    thread's two rows, each multiplied by x at the column its metadata names."""
+    lane = tl.arange(0, a[0].shape[0]) % 32
+    g = lane // 4
+    t = lane % 4
+    d = c
+    for upper in tl.static_range(2):  # d0, d1: row g; d2, d3: row g + 8
+        for kept in tl.static_range(16):  # the row's compressed column
+            group = kept // 2  # its group of four columns
+            value = _half(_from_lane(a[2 * (kept // 8) + upper], g * 4 + (kept % 8) // 2), kept % 2 == 1)
+            meta = _from_lane(e, g * 4 + group // 4)  # thread t = group // 4 holds this half of K
+            nibble = (meta >> (16 * upper + 4 * (group % 4))) & 0xF
+            column = 4 * group + ((nibble >> (2 * (kept % 2))) & 3)  # 0..31
+            for n in tl.static_range(2):  # x rows 2t and 2t + 1
+                # x[2t + n, column] is b[column // 8] of lane (2t + n) * 4 + (column % 8) // 2
+                owner = (2 * t + n) * 4 + (column % 8) // 2
+                reg = column // 8
+                pair = tl.where(reg == 0, _from_lane(b[0], owner),
+                                tl.where(reg == 1, _from_lane(b[1], owner),
+                                         tl.where(reg == 2, _from_lane(b[2], owner), _from_lane(b[3], owner))))
+                x = _half(pair, column % 2 == 1)
+                index = 2 * upper + n
+                d = d[:index] + (d[index] + value * x, ) + d[index + 1:]
+    return d
+
+
+@triton.jit
+def _mma_sp(a, b, c, e, INTERPRETER_SAFE: tl.constexpr):
+    """d = A·B + C on the sparse tensor cores (16 x 32 of W, 2:4, times 32 x 8 of x^T), each thread
+    passing its fragments (tuples of uint32 a, b; float32 c; metadata e)."""
+    if INTERPRETER_SAFE:
+        d = _mma_sp_emulated(a, b, c, e)
+    else:
+        d = tl.inline_asm_elementwise(
+            "mma.sp::ordered_metadata.sync.aligned.m16n8k32.row.col.f32.bf16.bf16.f32 "
+            "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9, $10, $11}, {$12, $13, $14, $15}, $16, 0x0;",
+            "=f,=f,=f,=f,r,r,r,r,r,r,r,r,f,f,f,f,r", [a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3], c[0], c[1],
+                                                     c[2], c[3], e],
+            dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
+    return d
+
+
+@triton.jit
+def _word_pointers(values_u32, mask_u32, x_u32, k, rows_low, rows_high, t, x_rows, n_rows, x_stride_u32,
+                   N_BLOCKS: tl.constexpr):
+    """Where the thread's loads of word k start: (its values in rows g and g + 8, their mask words,
+    x at B register 0 of each block of 8 x rows).
+
+    The instruction's K order is a permutation of the word's columns, chosen so that a thread's A
+    registers are four consecutive kept values of a row (one 8-byte load a row instead of two
+    4-byte ones): the instruction's group of four columns q is the word's group 2q (q < 4) or
+    2(q - 4) + 1, so thread t's a0, a2 (groups t and 4 + t) are the word's groups 2t and 2t + 1,
+    kept values 4t..4t+3: chunk t // 2 of the row, its uint32 2(t % 2) and 2(t % 2) + 1. The
+    metadata follows (`_thread_metadata`: t = 0 the even groups, t = 1 the odd) and so does x: B
+    register j holds K rows 8j + 2t, + 1, in group 2j + t // 2, which is at the word's column
+    8(t // 2) + 2(t % 2) + (0, 16, 4, 20)[j], i.e. uint32 4(t // 2) + t % 2 + (0, 8, 2, 10)[j]."""
+    first = ((2 * k + t // 2) * n_rows) * 4 + 2 * (t % 2)
+    x_pointers = ()
+    for block in tl.static_range(N_BLOCKS):
+        x_pointers = x_pointers + (x_u32 + x_rows[block] * x_stride_u32 + k * 16 + 4 * (t // 2) + t % 2, )
+    return (values_u32 + first + rows_low * 4, values_u32 + first + rows_high * 4, mask_u32 + k * n_rows + rows_low,
+            mask_u32 + k * n_rows + rows_high, x_pointers)
+
+
+@triton.jit
+def _load_tile(pointers, t, valid, N_BLOCKS: tl.constexpr, EVEN_K: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
+    """The fragments at `pointers` (`_word_pointers`): (a, metadata, b of each block of 8 x rows).
+    Unless EVEN_K, x is zeroed where not `valid` (a word past the end, read at the last word)."""
+    values_low, values_high, mask_low, mask_high, x_pointers = pointers
+    low = _load_u32(values_low, 2, False, INTERPRETER_SAFE)
+    high = _load_u32(values_high, 2, False, INTERPRETER_SAFE)
+    a = (low[0], high[0], low[1], high[1])
+    e = _thread_metadata(_load_u32(mask_low, 1, False, INTERPRETER_SAFE)[0],
+                         _load_u32(mask_high, 1, False, INTERPRETER_SAFE)[0], t % 2 == 1, INTERPRETER_SAFE)
+    b = ()
+    for block in tl.static_range(N_BLOCKS):
+        for j in tl.static_range(4):
+            pair = _load_u32(x_pointers[block] + 8 * (j % 2) + 2 * (j // 2), 1, True, INTERPRETER_SAFE)[0]
+            b = b + (pair if EVEN_K else tl.where(valid, pair, 0), )
+    return a, e, b
+
+
+@triton.jit
+def _advance(pointers, n_rows, N_BLOCKS: tl.constexpr):
+    """`_word_pointers` of the next word."""
+    values_low, values_high, mask_low, mask_high, x_pointers = pointers
+    step = 8 * n_rows  # uint32 of values a word: two chunks of 4 per row
+    x_next = ()
+    for block in tl.static_range(N_BLOCKS):
+        x_next = x_next + (x_pointers[block] + 16, )
+    return values_low + step, values_high + step, mask_low + n_rows, mask_high + n_rows, x_next
+
+
+@triton.jit
+def _mma_sp_kernel(x_ptr, values_ptr, mask_ptr, y_ptr, n_rows, n_words, words_per_warp, batch_rows, x_stride,
+                   SLICES: tl.constexpr, N_BLOCKS: tl.constexpr, EVEN_K: tl.constexpr, UNROLL: tl.constexpr,
+                   INTERPRETER_SAFE: tl.constexpr):
+    """y[:batch_rows, 16-row tile] of this program; SLICES warps, warp s walking words_per_warp
+    words from s · words_per_warp, summed through shared memory."""
+    THREADS: tl.constexpr = 32 * SLICES
+    thread = tl.arange(0, THREADS)
+    lane = thread % 32
+    g = lane // 4
+    t = lane % 4
+    tile = tl.program_id(0) * 16
+    rows_low = tl.minimum(tile + g, n_rows - 1)  # rows past the end repeat the last (not stored)
+    rows_high = tl.minimum(tile + g + 8, n_rows - 1)
+    k_first = (thread // 32) * words_per_warp
+    values_u32 = values_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
+    mask_u32 = mask_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
+    x_u32 = x_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
+    x_rows = ()  # the x row each thread's B fragment reads in each block of 8 (past the batch: the last)
+    for block in tl.static_range(N_BLOCKS):
+        x_rows = x_rows + (tl.minimum(block * 8 + g, batch_rows - 1), )
+    acc = ()
+    for i in tl.static_range(4 * N_BLOCKS):
+        acc = acc + (tl.zeros([THREADS], dtype=tl.float32), )
+
+    # One word ahead: word i + 1's loads are issued before word i's instruction. With EVEN_K the
+    # pointers step by a constant a word; otherwise each word is found again, clamped to the last.
+    pointers = _word_pointers(values_u32, mask_u32, x_u32, k_first if EVEN_K else tl.minimum(k_first, n_words - 1),
+                              rows_low, rows_high, t, x_rows, n_rows, x_stride // 2, N_BLOCKS)
+    a, e, b = _load_tile(pointers, t, k_first < n_words, N_BLOCKS, EVEN_K, INTERPRETER_SAFE)
+    for i in tl.range(1, words_per_warp, loop_unroll_factor=UNROLL):
+        if EVEN_K:
+            pointers = _advance(pointers, n_rows, N_BLOCKS)
+        else:
+            pointers = _word_pointers(values_u32, mask_u32, x_u32, tl.minimum(k_first + i, n_words - 1), rows_low,
+                                      rows_high, t, x_rows, n_rows, x_stride // 2, N_BLOCKS)
+        next_a, next_e, next_b = _load_tile(pointers, t, k_first + i < n_words, N_BLOCKS, EVEN_K, INTERPRETER_SAFE)
+        for block in tl.static_range(N_BLOCKS):
+            acc = acc[:4 * block] + _mma_sp(a, b[4 * block:4 * block + 4], acc[4 * block:4 * block + 4], e,
+                                            INTERPRETER_SAFE) + acc[4 * block + 4:]
+        a, e, b = next_a, next_e, next_b
+    for block in tl.static_range(N_BLOCKS):
+        acc = acc[:4 * block] + _mma_sp(a, b[4 * block:4 * block + 4], acc[4 * block:4 * block + 4], e,
+                                        INTERPRETER_SAFE) + acc[4 * block + 4:]
+
+    # d0, d1: row g with x rows 2t, 2t + 1; d2, d3: row g + 8 with the same x rows (per block of 8)
+    out_lane = tl.arange(0, 32)
+    out_g = out_lane // 4
+    out_t = out_lane % 4
+    for block in tl.static_range(N_BLOCKS):
+        for i in tl.static_range(4):
+            part = acc[4 * block + i]
+            if SLICES > 1:  # the warps' slices of K, summed through shared memory
+                part = tl.sum(tl.reshape(part, (SLICES, 32)), axis=0)
+            row = tile + out_g + 8 * (i // 2)
+            x_row = block * 8 + 2 * out_t + i % 2
+            tl.store(y_ptr + x_row * n_rows + row, part.to(y_ptr.dtype.element_ty),
+                     mask=(row < n_rows) & (x_row < batch_rows))
+
+
+def candidate_configs(n_words: int):
+    """(slices, words per warp, unroll): the warps of a program split K evenly (K whole in a
+    program); the word loop unrolled 2 or 4 times (sm_90a SASS: 57.5 and 49 instructions a word
+    at 4 slices, the rotation of the prefetched registers gone; 68 without)."""
+    return [(slices, triton.cdiv(n_words, slices), unroll) for slices in (1, 2, 4, 8, 16) if slices <= n_words
+            for unroll in (2, 4)]
+
+
+def spmv_2of4(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, config=None, out=None) -> torch.Tensor:
+    """y = x @ W.T on the sparse tensor cores for bf16 x of shape (batch <= 16, in) and a 2:4 weight
+    packed by sparse/format.py; config: (slices, words per warp, unroll), else the fastest of
+    `candidate_configs` timed once per shape in a CUDA graph (on CPU: the first)."""
+    batch, in_features = x.shape
+    n_words, n_rows = mask.shape
+    if x.dtype != torch.bfloat16 or values.dtype != torch.bfloat16:
+        raise ValueError(f"spmv_2of4 takes bf16 x and values, got {x.dtype} and {values.dtype}")
+    if in_features != n_words * 32 or not 1 <= batch <= MAX_ROWS:
+        raise ValueError(f"spmv_2of4: x {tuple(x.shape)} does not fit a packed weight with in_features="
+                         f"{n_words * 32} (1 to {MAX_ROWS} rows)")
+    if tuple(values.shape) != (2 * n_words, n_rows, 8):
+        raise ValueError(f"spmv_2of4 needs a 2:4 weight (16 kept values a word): values {tuple(values.shape)}")
+    if not all(t.is_contiguous() for t in (x, values, mask)):
+        raise ValueError("spmv_2of4 needs contiguous operands")
+    y = torch.empty(batch, n_rows, dtype=x.dtype, device=x.device) if out is None else out
+
+    _launch(x, values, mask, y, config or spmv_2of4_tuned(x, values, mask))
+    return y
+
+
+def _launch(x, values, mask, y, config):
+    (batch, in_features), (n_words, n_rows) = x.shape, mask.shape
+    slices, words_per_warp, unroll = config
+    _mma_sp_kernel[(triton.cdiv(n_rows, 16), )](
+        x, values, mask, y, n_rows, n_words, words_per_warp, batch, in_features, SLICES=slices,
+        N_BLOCKS=triton.cdiv(batch, 8), EVEN_K=n_words == slices * words_per_warp, UNROLL=unroll,
+        INTERPRETER_SAFE=INTERPRETING, num_warps=slices)
+
+
+_tuned = {}  # (mask shape, rows of x, device) -> config
+
+
+def _key(x, mask):
+    return tuple(mask.shape), x.shape[0], x.device.index
+
+
+def spmv_2of4_config(x: torch.Tensor, mask: torch.Tensor):
+    """The config spmv_2of4 tuned for this shape and batch (None before its first call)."""
+    return _tuned.get(_key(x, mask))
+
+
+def spmv_2of4_tuned(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor):
+    """The fastest of `candidate_configs` for this shape and batch, timed once as the SpMV's tuner
+    times (kernels.fastest_in_cuda_graph: in a CUDA graph, the weight's copies rotated past the L2);
+    on CPU the first."""
+    candidates = candidate_configs(mask.shape[0])
+    if x.device.type != "cuda":
+        return candidates[0]
+    if _key(x, mask) not in _tuned:
+        y = torch.empty(x.shape[0], mask.shape[1], dtype=x.dtype, device=x.device)
+        _tuned[_key(x, mask)] = fastest_in_cuda_graph(candidates, values, mask,
+                                                      lambda config, v, m: _launch(x, v, m, y, config))
+    return _tuned[_key(x, mask)]

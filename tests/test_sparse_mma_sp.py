@@ -1,0 +1,95 @@
+"""sparse/mma_sp.py: the 2:4 product on the sparse tensor cores. On CPU the real kernel runs under
+TRITON_INTERPRET=1 with mma.sp emulated from the fragment layout, against float64; its metadata
+from the bitmask against the PTX ISA's encoding; on the GPU (marked) the hardware instruction on
+real shapes. Its machine code: tests/test_kernel_sass.py."""
+import pytest
+import torch
+
+from sparse import kernels, mma_sp
+from sparse.format import pack, unpack
+from tests.sparse_kernel_testing import case_seed, interpreted, random_packed, relative_error, rerun_under_interpreter
+
+
+@pytest.mark.skipif(kernels.INTERPRETING, reason="this is the subprocess")
+def test_mma_sp_under_the_interpreter():
+    rerun_under_interpreter(__file__)
+
+
+def metadata_reference(word: int) -> int:
+    """mma.sp's metadata of a mask word, nibble by nibble: the two set bits' positions, first in the
+    low two bits (PTX ISA: the meaningful values are 0b0100, 0b1000, 0b1001, 0b1100, 0b1101, 0b1110)."""
+    out = 0
+    for group in range(8):
+        nibble = (word >> 4 * group) & 0xF
+        first, second = [i for i in range(4) if nibble >> i & 1]
+        out |= (first | second << 2) << 4 * group
+    return out
+
+
+@interpreted
+def test_metadata_of_every_2of4_word_shape():
+    # The six nibbles with two set bits, each in every position of a word.
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def metadata_kernel(words_ptr, out_ptr):
+        offsets = tl.arange(0, 64)
+        tl.store(out_ptr + offsets, mma_sp._metadata_of(tl.load(words_ptr + offsets)))
+
+    nibbles = [0b0011, 0b0101, 0b0110, 0b1001, 0b1010, 0b1100]
+    words = [sum(nibbles[(i + g) % 6] << 4 * g for g in range(8)) for i in range(6)]
+    words += [int(w) for w in torch.randint(0, 6, (58, 8), generator=torch.Generator().manual_seed(0))
+              .apply_(lambda i: nibbles[i]).mul(torch.tensor([16 ** g for g in range(8)])).sum(1)]
+    as_int32 = torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in words], dtype=torch.int32)
+    out = torch.empty(64, dtype=torch.int32)
+    metadata_kernel[(1, )](as_int32.view(torch.uint32), out.view(torch.uint32))
+    assert [int(v) & 0xFFFFFFFF for v in out] == [metadata_reference(w) for w in words]
+    assert {metadata_reference(n * 0x11111111) & 0xF for n in nibbles} == {0b0100, 0b1000, 0b1001, 0b1100, 0b1101, 0b1110}
+
+
+# 40 rows: two and a half 16-row tiles. 96 columns = 3 words, which 2 slices of 2 words do not
+# cover evenly (the last word past the end). Batches: one row, a partial block of 8, a full
+# one, and two blocks, the second partial.
+@interpreted
+@pytest.mark.parametrize("batch", [1, 3, 8, 11])
+def test_product_matches_float64(batch):
+    seed = case_seed("mma_sp", batch)
+    values, mask = random_packed(40, 96, "2:4", seed, dtype=torch.bfloat16)
+    reference_weight = unpack(values, mask).double()
+    for i, config in enumerate([(1, 3, 1), (2, 2, 2), (4, 1, 4), (1, 3, 4)]):
+        x = torch.randn(batch, 96, generator=torch.Generator().manual_seed(seed + i)).to(torch.bfloat16)
+        out = torch.full((batch, 40), float("nan"), dtype=torch.bfloat16)  # poisoned
+        y = mma_sp.spmv_2of4(x, values, mask, config=config, out=out)
+        assert relative_error(y, x.double() @ reference_weight.T) < 1e-2, config  # bf16 output rounding
+
+
+def test_bad_operands_are_one_clear_error():
+    values, mask = random_packed(16, 64, "2:4", 0, dtype=torch.bfloat16)
+    x = torch.zeros(1, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="bf16"):
+        mma_sp.spmv_2of4(x.float(), values, mask)
+    with pytest.raises(ValueError, match="in_features=64"):
+        mma_sp.spmv_2of4(torch.zeros(1, 96, dtype=torch.bfloat16), values, mask)
+    with pytest.raises(ValueError, match="1 to 16 rows"):
+        mma_sp.spmv_2of4(torch.zeros(17, 64, dtype=torch.bfloat16), values, mask)
+    values48, mask48 = pack(torch.randn(16, 64).to(torch.bfloat16), "4:8")
+    values48 = values48[:, :, :4].contiguous()  # a 1:4-like buffer shape: not 16 kept values a word
+    with pytest.raises(ValueError, match="2:4 weight"):
+        mma_sp.spmv_2of4(x, values48, mask48)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("out_features,in_features", [(6144, 4096), (4096, 14336), (40, 96)])
+@pytest.mark.parametrize("batch", [1, 5, 8, 16])
+def test_product_on_the_tensor_cores_matches_float64(out_features, in_features, batch):
+    values, mask = random_packed(out_features, in_features, "2:4", case_seed(out_features, batch), device="cuda",
+                                 dtype=torch.bfloat16)
+    reference = unpack(values, mask).double()
+    x = torch.randn(batch, in_features, device="cuda").to(torch.bfloat16)
+    expected = x.double() @ reference.T
+    for config in mma_sp.candidate_configs(in_features // 32):
+        out = torch.full((batch, out_features), float("nan"), device="cuda", dtype=torch.bfloat16)
+        y = mma_sp.spmv_2of4(x, values, mask, config=config, out=out)
+        assert relative_error(y, expected) < 1e-2, config
