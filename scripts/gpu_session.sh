@@ -32,7 +32,8 @@
 #   decode_gpu_tests  pytest -m gpu over the SpMV, SparseLinear, decode attention and generate tests (~8.5 in session 20)
 #   spmm_gpu_tests  pytest -m gpu over the tensor-core SpMM's tests (every tile shape with each K loop) (~3)
 #   mma_sp_gpu_tests  pytest -m gpu over the sparse tensor-core product's tests (sparse/mma_sp.py: mma.sp as
-#                   inline PTX, every candidate config on three shapes at 1, 5, 8, 16 rows) (~2, never run yet)
+#                   inline PTX, every candidate config on three shapes at 1, 5, 8, 16 rows) and SparseLinear's
+#                   with linear.TENSOR_CORE_2OF4 on (~2, never run yet)
 #   kernel_table_tc bench_kernel.py at batch 1, 4, 8, 16 without torch's 2:4: the issue-3 table with the sparse
 #                   tensor-core column beside the SpMV/SpMM (~5, never run yet)
 #   tuner_gpu_tests  pytest -m gpu over test_generate.py's device-clock tuning tests only: a compile with
@@ -84,6 +85,9 @@
 #                   off, both attention fusions off (~8; the last variant did not fit one call, 2026-12-03)
 #   decode_attention_programs_b48  Llama-3.1-8B dense and 2:4 at batch 4 and 8 with --profile: this tree, then
 #                   the attention's grid aimed at 1056 programs instead of 264 (more, shorter splits) (~8)
+#   decode_tc_b48   Llama-3.1-8B 2:4 at batch 4 and 8 with --profile, one process each: this tree, then with
+#                   linear.TENSOR_CORE_2OF4 on (the sparse tensor cores race the SpMV/SpMM for every plain 2:4
+#                   matmul); run after mma_sp_gpu_tests pass (~8, never run yet)
 #   decode_pending_b18  session 16's four untimed switches in one call: Llama-3.1-8B 2:4 at batch 1 and 8 with
 #                   --profile, one process each: this tree, the SpMM's pairs prefetched, V loaded with K, the
 #                   sliced top-k (with the sliced argmax, on since session 17) (~8; ran 2026-12-04)
@@ -137,6 +141,7 @@ SPMM_FROM4="sparse/linear.py:s/^SPMM_MIN_ROWS_2OF4 = 8/SPMM_MIN_ROWS_2OF4 = 4/"
 ARGMAX_WHOLE="generate.py:s/^ARGMAX_CHUNKS = 64/ARGMAX_CHUNKS = 0/"
 TOPK64="generate.py:s/^TOPK_CHUNKS = 0/TOPK_CHUNKS = 64/"
 V_WITH_K="decode_attention.py:s/^LOAD_V_WITH_K = False/LOAD_V_WITH_K = True/"
+TENSOR_CORES="sparse/linear.py:s/^TENSOR_CORE_2OF4 = False/TENSOR_CORE_2OF4 = True/"
 PLAIN_LOOP="decode_attention.py:s/^PIPELINE_STAGES = 2/PIPELINE_STAGES = 1/"
 PROGRAMS1056="decode_attention.py:s/^PROGRAMS_TARGET = 264 /PROGRAMS_TARGET = 1056 /"
 WIDE_COORDESC="generate.py:s/^INDUCTOR_OPTIONS = {/INDUCTOR_OPTIONS = {\x22coordinate_descent_check_all_directions\x22: True, \x22coordinate_descent_search_radius\x22: 2, /"
@@ -158,7 +163,7 @@ declare -A JOBS=(
   [spmv_gpu_tests]="$PYTEST_GPU tests/test_sparse_kernels.py"
   [new_gpu_tests]="$PYTEST_GPU tests/test_sparse_spmm.py tests/test_decode_attention.py -k 'llama_shape or model_decode_matches_sdpa'"
   [spmm_gpu_tests]="$PYTEST_GPU tests/test_sparse_spmm.py"
-  [mma_sp_gpu_tests]="$PYTEST_GPU tests/test_sparse_mma_sp.py"
+  [mma_sp_gpu_tests]="$PYTEST_GPU tests/test_sparse_mma_sp.py tests/test_sparse_linear.py -k tensor_core"
   [kernel_table_tc]="python3 scripts/bench_kernel.py --batches 1,4,8,16 --no-semi --out-md \$JOB/table.md --out-json \$JOB/bench.json"
   [tuner_gpu_tests]="$PYTEST_GPU tests/test_generate.py -k device_clock"
   [attention_gpu_tests]="$PYTEST_GPU tests/test_decode_attention.py tests/test_sparse_linear.py tests/test_generate.py"
@@ -181,6 +186,7 @@ declare -A JOBS=(
   [decode_prologue_ab_b1]="OUT=\$JOB bash scripts/decode_ab.sh 'sparse/linear.py:s/^PROLOGUE_APART_MIN_ROWS = 4/PROLOGUE_APART_MIN_ROWS = 1/' 1 1 -- --models Llama-3.1-8B --patterns 2:4"
   [decode_attention_off_b48]="OUT=\$JOB bash scripts/decode_variants.sh 1 'on=' 'spmv8=$NO_SPMM8' 'no_merge=$NO_MERGE' 'off=$NO_MERGE;$NO_ROPE' -- --models Llama-3.1-8B --patterns 2:4 --batch_sizes 4,8 --profile"
   [decode_attention_programs_b48]="OUT=\$JOB bash scripts/decode_variants.sh 1 'base=' 'programs1056=$PROGRAMS1056' -- --models Llama-3.1-8B --patterns dense,2:4 --batch_sizes 4,8 --profile"
+  [decode_tc_b48]="OUT=\$JOB bash scripts/decode_variants.sh 1 'base=' 'tc=$TENSOR_CORES' -- --models Llama-3.1-8B --patterns 2:4 --batch_sizes 4,8 --profile"
   [decode_pending_b18]="OUT=\$JOB bash scripts/decode_variants.sh 1 'base=' 'prefetch=$PREFETCH_PAIRS' 'v_with_k=$V_WITH_K' 'sampling=$TOPK64' -- --models Llama-3.1-8B --patterns 2:4 --batch_sizes 1,8 --profile"
   [decode_v_with_k_b148]="OUT=\$JOB bash scripts/decode_variants.sh 1 'base=' 'v_with_k=$V_WITH_K' -- --models Llama-3.1-8B --patterns 2:4 --batch_sizes 1,4,8 --profile"
   [dense_spread]="OUT=\$JOB bash scripts/dense_spread.sh 2"

@@ -4,7 +4,8 @@ Dispatch of `sparse_matmul` by where it runs and how many rows x has:
 - CUDA (or CPU under TRITON_INTERPRET=1): up to 16 rows -> the CUDA-core SpMV (kernels.spmv),
   or from spmm_min_rows rows on the tensor-core SpMM (spmm.spmm, which expands weight tiles in
   registers for tl.dot), from 8 rows on CUDA whichever of the two was measured faster for the
-  shape (MEASURED_ROUTE); more rows (prefill) -> the SpMM if SPMM_PREFILL, else expand the
+  shape (MEASURED_ROUTE), and with TENSOR_CORE_2OF4 a 2:4 weight's plain matmul of bf16 x at any
+  row count also races the sparse tensor cores (mma_sp.spmv_2of4); more rows (prefill) -> the SpMM if SPMM_PREFILL, else expand the
   weight to dense with a Triton kernel and call cuBLAS (whole, or in PREFILL_SLICES slices that
   overlap the next slice's expansion with this one's GEMM). The switches below say why they are
   set as they are.
@@ -20,7 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from sparse import kernels, spmm
+from sparse import kernels, mma_sp, spmm
 from sparse.format import pack, packed_shapes, parse_pattern, unpack
 
 # Where the tensor-core SpMM takes over: the SpMV's FMAs and shuffles grow with the rows of x, the
@@ -45,6 +46,12 @@ SPMM_PREFILL = False
 # the SpMV and the other Llama-3.1-8B shapes to the SpMM at 8 rows: the 2:4 step 4.910 -> 4.812 ms.
 MEASURED_ROUTE = True
 MEASURED_ROUTE_MIN_ROWS = 8
+# The 2:4 product on the sparse tensor cores (sparse/mma_sp.py: 6.1 instructions per kept weight at
+# 1-8 rows in its machine code, against the SpMV's 8.6 at 1 and ~27 at 8) joins that race, at any
+# row count, for the plain (unfused) matmuls of bf16 x with a 2:4 weight: from 4 rows qkv and w13
+# (their norm runs apart), from 8 all four. Off until it has run on a GPU (written 2026-12-04,
+# session 23, without device time; docs/KERNEL_NOTES.md has what it should do).
+TENSOR_CORE_2OF4 = False
 # Prefill expands the weight in this many slices of rows, on a second CUDA stream, each slice's
 # cuBLAS GEMM overlapping the next slice's expansion (`prefill_matmul`): the expansion is DRAM-bound
 # (2.7-3.1 TB/s) and the GEMM at 2048 tokens compute-bound, so apart the expansion adds 5-12 % to
@@ -76,9 +83,7 @@ def _bitmask_matmul(x: Tensor, values: Tensor, mask: Tensor, norm_weight: Option
         return kernels.spmv(x, values, mask, norm_weight=norm_weight, norm_eps=norm_eps, residual=residual,
                             gated=gated)
     if rows <= kernels.MAX_SPMV_BATCH:
-        if decode_route(x, values, mask, two_of_four) == "spmv":
-            return kernels.spmv(x, values, mask)
-        return spmm.spmm(x, values, mask, two_of_four=two_of_four)
+        return DECODE_KERNELS[decode_route(x, values, mask, two_of_four)](x, values, mask, two_of_four)
     if SPMM_PREFILL:
         return spmm.spmm(x, values, mask, two_of_four=two_of_four)
     return prefill_matmul(x, values, mask, PREFILL_SLICES)
@@ -132,24 +137,32 @@ def spmm_min_rows(two_of_four: bool) -> int:
     return SPMM_MIN_ROWS_2OF4 if two_of_four else SPMM_MIN_ROWS
 
 
-_routes = {}  # (out, in words, rows, dtype, two_of_four, device) -> "spmv" or "spmm", as measured
+# The kernels a plain decode matmul (1-16 rows, nothing fused) can take, by `decode_route`'s name.
+DECODE_KERNELS = {
+    "spmv": lambda x, values, mask, two_of_four: kernels.spmv(x, values, mask),
+    "spmm": lambda x, values, mask, two_of_four: spmm.spmm(x, values, mask, two_of_four=two_of_four),
+    "mma_sp": lambda x, values, mask, two_of_four: mma_sp.spmv_2of4(x, values, mask),
+}
+_routes = {}  # (out, in words, rows, dtype, two_of_four, tensor cores, device) -> a DECODE_KERNELS name
 
 
 def decode_route(x: Tensor, values: Tensor, mask: Tensor, two_of_four: bool) -> str:
-    """"spmv" or "spmm": the kernel for a plain (unfused) matmul of x's 1-16 rows; see MEASURED_ROUTE."""
+    """The DECODE_KERNELS name for a plain (unfused) matmul of x's 1-16 rows; see MEASURED_ROUTE and
+    TENSOR_CORE_2OF4."""
     rows = x.shape[0]
     by_threshold = "spmv" if rows < spmm_min_rows(two_of_four) else "spmm"
-    if not (MEASURED_ROUTE and rows >= MEASURED_ROUTE_MIN_ROWS and can_time_in_cuda_graph(x)):
+    tensor_cores = TENSOR_CORE_2OF4 and two_of_four and x.dtype == torch.bfloat16
+    if not (MEASURED_ROUTE and (rows >= MEASURED_ROUTE_MIN_ROWS or tensor_cores) and can_time_in_cuda_graph(x)):
         return by_threshold
-    key = (mask.shape[1], mask.shape[0], rows, values.dtype, two_of_four, x.device)
+    key = (mask.shape[1], mask.shape[0], rows, values.dtype, two_of_four, tensor_cores, x.device)
     if key not in _routes:
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
             return by_threshold  # cannot time inside a capture; warm up first to get the measured one
-        runs = {"spmv": lambda v, m: kernels.spmv(x, v, m),
-                "spmm": lambda v, m: spmm.spmm(x, v, m, two_of_four=two_of_four)}
-        for run in runs.values():
-            run(values, mask)  # each tunes its own config first, outside the race
-        _routes[key] = kernels.fastest_in_cuda_graph(list(runs), values, mask, lambda name, v, m: runs[name](v, m))
+        names = ["spmv"] + ["spmm"] * (rows >= MEASURED_ROUTE_MIN_ROWS) + ["mma_sp"] * tensor_cores
+        for name in names:
+            DECODE_KERNELS[name](x, values, mask, two_of_four)  # each tunes its own config first, outside the race
+        _routes[key] = kernels.fastest_in_cuda_graph(
+            names, values, mask, lambda name, v, m: DECODE_KERNELS[name](x, v, m, two_of_four))
     return _routes[key]
 
 

@@ -59,6 +59,39 @@ def test_decode_route_is_measured_once_per_shape_and_row_count(monkeypatch):
     assert calls == ["spmv", "spmm"] and len(races) == 1  # 4 rows and the switch off: by the threshold
 
 
+def test_tensor_core_2of4_joins_the_race_for_bf16_x_when_switched_on(monkeypatch):
+    # TENSOR_CORE_2OF4: a 2:4 weight's plain matmul of bf16 x races the sparse tensor cores too, at
+    # any row count (the SpMM only from MEASURED_ROUTE_MIN_ROWS); other dtypes and patterns do not.
+    from sparse import kernels, linear, mma_sp, spmm
+    calls, races = [], []
+
+    def stand_in(name):
+        return lambda x, values, mask, **options: calls.append(name) or x @ unpack(values, mask).T.to(x.dtype)
+
+    def race(candidates, values, mask, run):
+        races.append(list(candidates))
+        return candidates[-1]
+
+    monkeypatch.setattr(kernels, "spmv", stand_in("spmv"))
+    monkeypatch.setattr(spmm, "spmm", stand_in("spmm"))
+    monkeypatch.setattr(mma_sp, "spmv_2of4", stand_in("mma_sp"))
+    monkeypatch.setattr(kernels, "fastest_in_cuda_graph", race)
+    monkeypatch.setattr(linear, "can_time_in_cuda_graph", lambda x: True)
+    monkeypatch.setattr(linear, "_routes", {})
+    monkeypatch.setattr(linear, "TENSOR_CORE_2OF4", True)
+    layer = SparseLinear.from_dense(torch.randn(64, 96, dtype=torch.bfloat16), "2:4")
+    for rows in (4, 8):
+        linear._bitmask_matmul(torch.randn(rows, 96, dtype=torch.bfloat16), layer.values, layer.mask,
+                               two_of_four=True)
+    assert races == [["spmv", "mma_sp"], ["spmv", "spmm", "mma_sp"]]
+    assert calls == ["spmv", "mma_sp", "mma_sp", "spmv", "spmm", "mma_sp", "mma_sp"]  # tuned, then the winner
+    calls.clear()
+    linear._bitmask_matmul(torch.randn(4, 96, dtype=torch.float32), layer.values.float(), layer.mask,
+                           two_of_four=True)
+    linear._bitmask_matmul(torch.randn(4, 96, dtype=torch.bfloat16), layer.values, layer.mask, two_of_four=False)
+    assert calls == ["spmv", "spmv"] and len(races) == 2  # fp32 x, or not 2:4: no race below 8 rows
+
+
 def test_cpu_path_follows_buffers_changed_in_place():
     # The CPU path keeps an unpacked copy; it must not serve stale weights.
     layer = SparseLinear.from_dense(torch.randn(40, 64, dtype=torch.float64), "2:4")
@@ -127,6 +160,21 @@ def test_gpu_bf16_against_float64(out_features, in_features, pattern, rows):
     for _ in range(2):  # fresh inputs; the second call also checks the split-K workspace was left clean
         x = torch.randn(rows, in_features, device="cuda", dtype=torch.bfloat16)
         assert relative_error(layer(x), x.double() @ dense.T) < 1e-2
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("rows", [1, 4, 8, 16])
+def test_gpu_tensor_core_route_against_float64(monkeypatch, rows):
+    # TENSOR_CORE_2OF4 on: whichever kernel wins the race (the sparse tensor cores among them), the
+    # layer's output matches float64.
+    from sparse import linear
+    monkeypatch.setattr(linear, "TENSOR_CORE_2OF4", True)
+    layer = SparseLinear.from_dense(torch.randn(6144, 4096, device="cuda", dtype=torch.bfloat16), "2:4")
+    dense = unpack(layer.values, layer.mask).double()
+    x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
+    assert relative_error(layer(x), x.double() @ dense.T) < 1e-2
+    assert linear.decode_route(x, layer.values, layer.mask, True) in ("spmv", "spmm", "mma_sp")
 
 
 @pytest.mark.gpu
