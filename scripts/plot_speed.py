@@ -1,7 +1,7 @@
 """Plots of measured speed, for the reader who would rather see than read docs/BENCHMARKS.md.
 
 From the JSON files the benchmarks write on the GPU (kept under docs/results/speed/ with their
-date in the name), two figures:
+date in the name), three figures:
 
 - decode: one panel per model and batch size, tokens/s of every process measured (a dot each; the
   bar is the fastest), dense engines first, then each N:M pattern with its byte bound (fastest

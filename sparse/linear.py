@@ -4,11 +4,11 @@ Dispatch of `sparse_matmul` by where it runs and how many rows x has:
 - CUDA (or CPU under TRITON_INTERPRET=1): up to 16 rows -> the CUDA-core SpMV (kernels.spmv),
   or from spmm_min_rows rows on the tensor-core SpMM (spmm.spmm, which expands weight tiles in
   registers for tl.dot), from 8 rows on CUDA whichever of the two was measured faster for the
-  shape (MEASURED_ROUTE), and with TENSOR_CORE_2OF4 a 2:4 weight's plain matmul of bf16 x at any
-  row count also races the sparse tensor cores (mma_sp.spmv_2of4); more rows (prefill) -> the SpMM if SPMM_PREFILL, else expand the
-  weight to dense with a Triton kernel and call cuBLAS (whole, or in PREFILL_SLICES slices that
-  overlap the next slice's expansion with this one's GEMM). The switches below say why they are
-  set as they are.
+  shape (MEASURED_ROUTE), and with TENSOR_CORE_2OF4 a 2:4 bf16 weight's plain matmul at any row
+  count also races the sparse tensor cores (mma_sp.spmv_2of4); more rows (prefill) -> the SpMM if
+  SPMM_PREFILL, else expand the weight to dense with a Triton kernel and call cuBLAS (whole, or in
+  PREFILL_SLICES slices that overlap the next slice's expansion with this one's GEMM). The
+  switches below say why they are set as they are.
 - CPU otherwise: pure PyTorch (unpack + F.linear).
 The CUDA path is a `torch.library.custom_op`, so torch.compile(fullgraph=True) keeps it as one
 opaque node and mode="reduce-overhead" records its kernels into the CUDA graph. (An opaque op
@@ -151,7 +151,7 @@ def decode_route(x: Tensor, values: Tensor, mask: Tensor, two_of_four: bool) -> 
     TENSOR_CORE_2OF4."""
     rows = x.shape[0]
     by_threshold = "spmv" if rows < spmm_min_rows(two_of_four) else "spmm"
-    tensor_cores = TENSOR_CORE_2OF4 and two_of_four and x.dtype == torch.bfloat16
+    tensor_cores = TENSOR_CORE_2OF4 and two_of_four and x.dtype == values.dtype == torch.bfloat16
     if not (MEASURED_ROUTE and (rows >= MEASURED_ROUTE_MIN_ROWS or tensor_cores) and can_time_in_cuda_graph(x)):
         return by_threshold
     key = (mask.shape[1], mask.shape[0], rows, values.dtype, two_of_four, tensor_cores, x.device)
