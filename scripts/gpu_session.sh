@@ -31,9 +31,10 @@
 #   spmv_gpu_tests  pytest -m gpu over the SpMV kernel's tests (test_sparse_kernels.py, every candidate config) only
 #   decode_gpu_tests  pytest -m gpu over the SpMV, SparseLinear, decode attention and generate tests (~8.5 in session 20)
 #   spmm_gpu_tests  pytest -m gpu over the tensor-core SpMM's tests (every tile shape with each K loop) (~3)
-#   mma_sp_gpu_tests  pytest -m gpu over the sparse tensor-core product's tests (sparse/mma_sp.py: mma.sp as
-#                   inline PTX, every candidate config on three shapes at 1, 5, 8, 16 rows) and SparseLinear's
-#                   with linear.TENSOR_CORE_2OF4 on (~2, never run yet)
+#   mma_sp_gpu_tests  mma_sp_layout_probe.py (which register layout the hardware's mma.sp reads: a table of
+#                   hypotheses), then pytest -m gpu over the sparse tensor-core product's tests (sparse/mma_sp.py:
+#                   mma.sp as inline PTX, every candidate config on three shapes at 1, 5, 8, 16 rows) and
+#                   SparseLinear's with linear.TENSOR_CORE_2OF4 on (~2, never run yet)
 #   kernel_table_tc bench_kernel.py at batch 1, 4, 8, 16 without torch's 2:4: the issue-3 table with the sparse
 #                   tensor-core column beside the SpMV/SpMM (~5, never run yet)
 #   tuner_gpu_tests  pytest -m gpu over test_generate.py's device-clock tuning tests only: a compile with
@@ -163,7 +164,7 @@ declare -A JOBS=(
   [spmv_gpu_tests]="$PYTEST_GPU tests/test_sparse_kernels.py"
   [new_gpu_tests]="$PYTEST_GPU tests/test_sparse_spmm.py tests/test_decode_attention.py -k 'llama_shape or model_decode_matches_sdpa'"
   [spmm_gpu_tests]="$PYTEST_GPU tests/test_sparse_spmm.py"
-  [mma_sp_gpu_tests]="$PYTEST_GPU tests/test_sparse_mma_sp.py tests/test_sparse_linear.py -k tensor_core"
+  [mma_sp_gpu_tests]="python3 scripts/mma_sp_layout_probe.py; $PYTEST_GPU tests/test_mma_sp_layout_probe.py tests/test_sparse_mma_sp.py tests/test_sparse_linear.py -k 'tensor_core or hardware'"
   [kernel_table_tc]="python3 scripts/bench_kernel.py --batches 1,4,8,16 --no-semi --out-md \$JOB/table.md --out-json \$JOB/bench.json"
   [tuner_gpu_tests]="$PYTEST_GPU tests/test_generate.py -k device_clock"
   [attention_gpu_tests]="$PYTEST_GPU tests/test_decode_attention.py tests/test_sparse_linear.py tests/test_generate.py"
