@@ -147,8 +147,9 @@ def compile_mma_sp(batch: int, slices: int = 4, unroll: int = 2) -> dict:
     the loads a word; the word loop unrolled `unroll` times."""
     sys.path.insert(0, str(ROOT))
     from sparse import mma_sp
-    pointers = dict(x_ptr="*bf16", values_ptr="*bf16", mask_ptr="*i32", y_ptr="*bf16")
-    constants = dict(SLICES=slices, N_BLOCKS=triton.cdiv(batch, 8), EVEN_K=True, UNROLL=unroll, INTERPRETER_SAFE=False)
+    pointers = dict(x_ptr="*bf16", values_ptr="*bf16", mask_ptr="*i32", y_ptr="*bf16", residual_ptr="*bf16")
+    constants = dict(SLICES=slices, N_BLOCKS=triton.cdiv(batch, 8), EVEN_K=True, UNROLL=unroll, RESIDUAL=False,
+                     INTERPRETER_SAFE=False)
     sass, registers, spill_bytes, shared = compile_for_sm90a(mma_sp._mma_sp_kernel, pointers, constants, slices,
                                                              divisible_by_16=[*pointers, "n_rows", "n_words"])
     # The main word loop: the one with the most sparse MMAs (an unrolled loop leaves a shorter

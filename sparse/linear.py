@@ -4,8 +4,9 @@ Dispatch of `sparse_matmul` by where it runs and how many rows x has:
 - CUDA (or CPU under TRITON_INTERPRET=1): up to 16 rows -> the CUDA-core SpMV (kernels.spmv),
   or from spmm_min_rows rows on the tensor-core SpMM (spmm.spmm, which expands weight tiles in
   registers for tl.dot), from 8 rows on CUDA whichever of the two was measured faster for the
-  shape (MEASURED_ROUTE), and with TENSOR_CORE_2OF4 a 2:4 bf16 weight's plain matmul at any row
-  count also races the sparse tensor cores (mma_sp.spmv_2of4); more rows (prefill) -> the SpMM if
+  shape (MEASURED_ROUTE), and with TENSOR_CORE_2OF4 a 2:4 bf16 weight's matmul at any row count,
+  plain or with a residual to add, also races the sparse tensor cores (mma_sp.spmv_2of4); a fused
+  norm or silu(gate) * up always takes the SpMV; more rows (prefill) -> the SpMM if
   SPMM_PREFILL, else expand the weight to dense with a Triton kernel and call cuBLAS (whole, or in
   PREFILL_SLICES slices that overlap the next slice's expansion with this one's GEMM). The
   switches below say why they are set as they are.
@@ -48,8 +49,9 @@ MEASURED_ROUTE = True
 MEASURED_ROUTE_MIN_ROWS = 8
 # The 2:4 product on the sparse tensor cores (sparse/mma_sp.py: 6.1 instructions per kept weight at
 # 1-8 rows in its machine code, against the SpMV's 8.6 at 1 and ~27 at 8) joins that race, at any
-# row count, for the plain (unfused) matmuls of bf16 x with a 2:4 weight: from 4 rows qkv and w13
-# (their norm runs apart), from 8 all four. Off until it has run on a GPU (written 2026-12-04,
+# row count, for bf16 matmuls with a 2:4 weight and nothing fused but a residual: in a decode step
+# all four layers from 4 rows (qkv and w13 plain, their norm apart; o and w2 with the residual),
+# none at 1-3 (their prologues are fused). Off until it has run on a GPU (written 2026-12-04,
 # session 23, without device time; docs/KERNEL_NOTES.md has what it should do).
 TENSOR_CORE_2OF4 = False
 # Prefill expands the weight in this many slices of rows, on a second CUDA stream, each slice's
@@ -79,11 +81,12 @@ def _bitmask_matmul(x: Tensor, values: Tensor, mask: Tensor, norm_weight: Option
                     norm_eps: float = 0.0, residual: Optional[Tensor] = None, gated: bool = False,
                     two_of_four: bool = False) -> Tensor:
     rows = x.shape[0]
-    if norm_weight is not None or residual is not None or gated:  # the fused prologue/epilogue: SpMV only
+    if norm_weight is not None or gated:  # a fused prologue: the SpMV only
         return kernels.spmv(x, values, mask, norm_weight=norm_weight, norm_eps=norm_eps, residual=residual,
                             gated=gated)
-    if rows <= kernels.MAX_SPMV_BATCH:
-        return DECODE_KERNELS[decode_route(x, values, mask, two_of_four)](x, values, mask, two_of_four)
+    if rows <= kernels.MAX_SPMV_BATCH or residual is not None:
+        route = decode_route(x, values, mask, two_of_four, residual)
+        return DECODE_KERNELS[route](x, values, mask, two_of_four, residual)
     if SPMM_PREFILL:
         return spmm.spmm(x, values, mask, two_of_four=two_of_four)
     return prefill_matmul(x, values, mask, PREFILL_SLICES)
@@ -137,32 +140,34 @@ def spmm_min_rows(two_of_four: bool) -> int:
     return SPMM_MIN_ROWS_2OF4 if two_of_four else SPMM_MIN_ROWS
 
 
-# The kernels a plain decode matmul (1-16 rows, nothing fused) can take, by `decode_route`'s name.
+# The kernels a decode matmul of 1-16 rows with at most a residual fused can take, by
+# `decode_route`'s name (the SpMM takes no residual).
 DECODE_KERNELS = {
-    "spmv": lambda x, values, mask, two_of_four: kernels.spmv(x, values, mask),
-    "spmm": lambda x, values, mask, two_of_four: spmm.spmm(x, values, mask, two_of_four=two_of_four),
-    "mma_sp": lambda x, values, mask, two_of_four: mma_sp.spmv_2of4(x, values, mask),
+    "spmv": lambda x, values, mask, two_of_four, residual: kernels.spmv(x, values, mask, residual=residual),
+    "spmm": lambda x, values, mask, two_of_four, residual: spmm.spmm(x, values, mask, two_of_four=two_of_four),
+    "mma_sp": lambda x, values, mask, two_of_four, residual: mma_sp.spmv_2of4(x, values, mask, residual=residual),
 }
-_routes = {}  # (out, in words, rows, dtype, two_of_four, tensor cores, device) -> a DECODE_KERNELS name
+_routes = {}  # (out, in words, rows, dtype, two_of_four, tensor cores, residual, device) -> a DECODE_KERNELS name
 
 
-def decode_route(x: Tensor, values: Tensor, mask: Tensor, two_of_four: bool) -> str:
-    """The DECODE_KERNELS name for a plain (unfused) matmul of x's 1-16 rows; see MEASURED_ROUTE and
-    TENSOR_CORE_2OF4."""
+def decode_route(x: Tensor, values: Tensor, mask: Tensor, two_of_four: bool, residual: Tensor = None) -> str:
+    """The DECODE_KERNELS name for a matmul of x's 1-16 rows, plain or with a residual to add; see
+    MEASURED_ROUTE and TENSOR_CORE_2OF4."""
     rows = x.shape[0]
-    by_threshold = "spmv" if rows < spmm_min_rows(two_of_four) else "spmm"
+    by_threshold = "spmv" if rows < spmm_min_rows(two_of_four) or residual is not None else "spmm"
     tensor_cores = TENSOR_CORE_2OF4 and two_of_four and x.dtype == values.dtype == torch.bfloat16
-    if not (MEASURED_ROUTE and (rows >= MEASURED_ROUTE_MIN_ROWS or tensor_cores) and can_time_in_cuda_graph(x)):
+    spmm_races = rows >= MEASURED_ROUTE_MIN_ROWS and residual is None
+    if not (MEASURED_ROUTE and (spmm_races or tensor_cores) and can_time_in_cuda_graph(x)):
         return by_threshold
-    key = (mask.shape[1], mask.shape[0], rows, values.dtype, two_of_four, tensor_cores, x.device)
+    key = (mask.shape[1], mask.shape[0], rows, values.dtype, two_of_four, tensor_cores, residual is not None, x.device)
     if key not in _routes:
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
             return by_threshold  # cannot time inside a capture; warm up first to get the measured one
-        names = ["spmv"] + ["spmm"] * (rows >= MEASURED_ROUTE_MIN_ROWS) + ["mma_sp"] * tensor_cores
-        for name in names:
-            DECODE_KERNELS[name](x, values, mask, two_of_four)  # each tunes its own config first, outside the race
+        names = ["spmv"] + ["spmm"] * spmm_races + ["mma_sp"] * tensor_cores
+        for name in names:  # each tunes its own config first, outside the race
+            DECODE_KERNELS[name](x, values, mask, two_of_four, residual)
         _routes[key] = kernels.fastest_in_cuda_graph(
-            names, values, mask, lambda name, v, m: DECODE_KERNELS[name](x, v, m, two_of_four))
+            names, values, mask, lambda name, v, m: DECODE_KERNELS[name](x, v, m, two_of_four, residual))
     return _routes[key]
 
 

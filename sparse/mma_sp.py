@@ -215,11 +215,11 @@ def _advance(pointers, n_rows, N_BLOCKS: tl.constexpr):
 
 
 @triton.jit
-def _mma_sp_kernel(x_ptr, values_ptr, mask_ptr, y_ptr, n_rows, n_words, words_per_warp, batch_rows, x_stride,
-                   SLICES: tl.constexpr, N_BLOCKS: tl.constexpr, EVEN_K: tl.constexpr, UNROLL: tl.constexpr,
-                   INTERPRETER_SAFE: tl.constexpr):
-    """y[:batch_rows, 16-row tile] of this program; SLICES warps, warp s walking words_per_warp
-    words from s · words_per_warp, summed through shared memory."""
+def _mma_sp_kernel(x_ptr, values_ptr, mask_ptr, y_ptr, residual_ptr, n_rows, n_words, words_per_warp, batch_rows,
+                   x_stride, SLICES: tl.constexpr, N_BLOCKS: tl.constexpr, EVEN_K: tl.constexpr, UNROLL: tl.constexpr,
+                   RESIDUAL: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
+    """y[:batch_rows, 16-row tile] of this program (+ the residual's, with RESIDUAL); SLICES warps,
+    warp s walking words_per_warp words from s · words_per_warp, summed through shared memory."""
     THREADS: tl.constexpr = 32 * SLICES
     thread = tl.arange(0, THREADS)
     lane = thread % 32
@@ -270,8 +270,10 @@ def _mma_sp_kernel(x_ptr, values_ptr, mask_ptr, y_ptr, n_rows, n_words, words_pe
                 part = tl.sum(tl.reshape(part, (SLICES, 32)), axis=0)
             row = tile + out_g + 8 * (i // 2)
             x_row = block * 8 + 2 * out_t + i % 2
-            tl.store(y_ptr + x_row * n_rows + row, part.to(y_ptr.dtype.element_ty),
-                     mask=(row < n_rows) & (x_row < batch_rows))
+            ok = (row < n_rows) & (x_row < batch_rows)
+            if RESIDUAL:
+                part += tl.load(residual_ptr + x_row * n_rows + row, mask=ok, other=0.0).to(tl.float32)
+            tl.store(y_ptr + x_row * n_rows + row, part.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 def candidate_configs(n_words: int):
@@ -282,10 +284,12 @@ def candidate_configs(n_words: int):
             for unroll in (2, 4)]
 
 
-def spmv_2of4(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, config=None, out=None) -> torch.Tensor:
-    """y = x @ W.T on the sparse tensor cores for bf16 x of shape (batch <= 16, in) and a 2:4 weight
-    packed by sparse/format.py; config: (slices, words per warp, unroll), else the fastest of
-    `candidate_configs` timed once per shape in a CUDA graph (on CPU: the first)."""
+def spmv_2of4(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, config=None, out=None,
+              residual: torch.Tensor = None) -> torch.Tensor:
+    """y = residual + x @ W.T on the sparse tensor cores for bf16 x of shape (batch <= 16, in) and a
+    2:4 weight packed by sparse/format.py (residual: optional, (batch, out)); config: (slices, words
+    per warp, unroll), else the fastest of `candidate_configs` timed once per shape in a CUDA graph
+    (on CPU: the first)."""
     batch, in_features = x.shape
     n_words, n_rows = mask.shape
     if x.dtype != torch.bfloat16 or values.dtype != torch.bfloat16:
@@ -295,21 +299,22 @@ def spmv_2of4(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, config=
                          f"{n_words * 32} (1 to {MAX_ROWS} rows)")
     if tuple(values.shape) != (2 * n_words, n_rows, 8):
         raise ValueError(f"spmv_2of4 needs a 2:4 weight (16 kept values a word): values {tuple(values.shape)}")
-    if not all(t.is_contiguous() for t in (x, values, mask)):
+    if residual is not None and tuple(residual.shape) != (batch, n_rows):
+        raise ValueError(f"spmv_2of4: residual {tuple(residual.shape)} does not match the output ({batch}, {n_rows})")
+    if not all(t.is_contiguous() for t in (x, values, mask) + ((residual, ) if residual is not None else ())):
         raise ValueError("spmv_2of4 needs contiguous operands")
     y = torch.empty(batch, n_rows, dtype=x.dtype, device=x.device) if out is None else out
-
-    _launch(x, values, mask, y, config or spmv_2of4_tuned(x, values, mask))
+    _launch(x, values, mask, y, config or spmv_2of4_tuned(x, values, mask), residual)
     return y
 
 
-def _launch(x, values, mask, y, config):
+def _launch(x, values, mask, y, config, residual=None):
     (batch, in_features), (n_words, n_rows) = x.shape, mask.shape
     slices, words_per_warp, unroll = config
     _mma_sp_kernel[(triton.cdiv(n_rows, 16), )](
-        x, values, mask, y, n_rows, n_words, words_per_warp, batch, in_features, SLICES=slices,
-        N_BLOCKS=triton.cdiv(batch, 8), EVEN_K=n_words == slices * words_per_warp, UNROLL=unroll,
-        INTERPRETER_SAFE=INTERPRETING, num_warps=slices)
+        x, values, mask, y, y if residual is None else residual, n_rows, n_words, words_per_warp, batch, in_features,
+        SLICES=slices, N_BLOCKS=triton.cdiv(batch, 8), EVEN_K=n_words == slices * words_per_warp, UNROLL=unroll,
+        RESIDUAL=residual is not None, INTERPRETER_SAFE=INTERPRETING, num_warps=slices)
 
 
 _tuned = {}  # (mask shape, rows of x, device) -> config

@@ -90,6 +90,14 @@ def test_tensor_core_2of4_joins_the_race_for_bf16_x_when_switched_on(monkeypatch
                            two_of_four=True)
     linear._bitmask_matmul(torch.randn(4, 96, dtype=torch.bfloat16), layer.values, layer.mask, two_of_four=False)
     assert calls == ["spmv", "spmv"] and len(races) == 2  # fp32 x, or not 2:4: no race below 8 rows
+    calls.clear()  # with a residual to add (o and w2 at 4-7 rows): the SpMV or the tensor cores, never the SpMM
+    x, residual = torch.randn(8, 96, dtype=torch.bfloat16), torch.randn(8, 64, dtype=torch.bfloat16)
+    linear._bitmask_matmul(x, layer.values, layer.mask, residual=residual, two_of_four=True)
+    assert races[-1] == ["spmv", "mma_sp"] and calls == ["spmv", "mma_sp", "mma_sp"]
+    monkeypatch.setattr(linear, "TENSOR_CORE_2OF4", False)
+    calls.clear()
+    linear._bitmask_matmul(x, layer.values, layer.mask, residual=residual, two_of_four=True)
+    assert calls == ["spmv"] and len(races) == 3  # switched off: the SpMV with the residual, as before
 
 
 def test_cpu_path_follows_buffers_changed_in_place():
@@ -167,7 +175,7 @@ def test_gpu_bf16_against_float64(out_features, in_features, pattern, rows):
 @pytest.mark.parametrize("rows", [1, 4, 8, 16])
 def test_gpu_tensor_core_route_against_float64(monkeypatch, rows):
     # TENSOR_CORE_2OF4 on: whichever kernel wins the race (the sparse tensor cores among them), the
-    # layer's output matches float64.
+    # layer's output matches float64, plain and with a residual to add.
     from sparse import linear
     monkeypatch.setattr(linear, "TENSOR_CORE_2OF4", True)
     layer = SparseLinear.from_dense(torch.randn(6144, 4096, device="cuda", dtype=torch.bfloat16), "2:4")
@@ -175,6 +183,8 @@ def test_gpu_tensor_core_route_against_float64(monkeypatch, rows):
     x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
     assert relative_error(layer(x), x.double() @ dense.T) < 1e-2
     assert linear.decode_route(x, layer.values, layer.mask, True) in ("spmv", "spmm", "mma_sp")
+    residual = torch.randn(rows, 6144, device="cuda", dtype=torch.bfloat16)  # o and w2 at 4-7 rows
+    assert relative_error(layer(x, residual=residual), residual.double() + x.double() @ dense.T) < 1e-2
 
 
 @pytest.mark.gpu

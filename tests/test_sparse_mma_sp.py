@@ -62,6 +62,9 @@ def test_product_matches_float64(batch):
         out = torch.full((batch, 40), float("nan"), dtype=torch.bfloat16)  # poisoned
         y = mma_sp.spmv_2of4(x, values, mask, config=config, out=out)
         assert relative_error(y, x.double() @ reference_weight.T) < 1e-2, config  # bf16 output rounding
+    residual = torch.randn(batch, 40, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+    y = mma_sp.spmv_2of4(x, values, mask, config=(2, 2, 2), residual=residual)
+    assert relative_error(y, residual.double() + x.double() @ reference_weight.T) < 1e-2
 
 
 def test_bad_operands_are_one_clear_error():
@@ -73,6 +76,8 @@ def test_bad_operands_are_one_clear_error():
         mma_sp.spmv_2of4(torch.zeros(1, 96, dtype=torch.bfloat16), values, mask)
     with pytest.raises(ValueError, match="1 to 16 rows"):
         mma_sp.spmv_2of4(torch.zeros(17, 64, dtype=torch.bfloat16), values, mask)
+    with pytest.raises(ValueError, match="residual"):
+        mma_sp.spmv_2of4(x, values, mask, residual=torch.zeros(2, 16, dtype=torch.bfloat16))
     values48, mask48 = pack(torch.randn(16, 64).to(torch.bfloat16), "4:8")
     values48 = values48[:, :, :4].contiguous()  # a 1:4-like buffer shape: not 16 kept values a word
     with pytest.raises(ValueError, match="2:4 weight"):
