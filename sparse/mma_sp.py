@@ -64,7 +64,8 @@ def _metadata_of(word):
 @triton.jit
 def _load_u32(ptr, COUNT: tl.constexpr, CACHED: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
     """A tuple of COUNT (1 or 2) consecutive uint32 at each thread's ptr: streamed through L2 (.cg,
-    weights are read once a call) or, with CACHED, through L1 too (.ca: x, read by every warp)."""
+    weights are read once a call) or, with CACHED (COUNT 1 only), through L1 too (.ca: x, which
+    every warp reads)."""
     if INTERPRETER_SAFE:
         words = (tl.load(ptr), ) if COUNT == 1 else (tl.load(ptr), tl.load(ptr + 1))
     elif COUNT == 1:
