@@ -34,7 +34,7 @@
 #   mma_sp_gpu_tests  mma_sp_layout_probe.py (which register layout the hardware's mma.sp reads: a table of
 #                   hypotheses), then pytest -m gpu over the sparse tensor-core product's tests (sparse/mma_sp.py:
 #                   mma.sp as inline PTX, every candidate config on three shapes at 1, 5, 8, 16 rows) and
-#                   SparseLinear's with linear.TENSOR_CORE_2OF4 on (~2, never run yet)
+#                   SparseLinear's with linear.TENSOR_CORE_2OF4 on (~4: some 80 compiles of its variants; never run yet)
 #   kernel_table_tc bench_kernel.py at batch 1, 4, 8, 16 without torch's 2:4: the issue-3 table with the sparse
 #                   tensor-core column beside the SpMV/SpMM (~5, never run yet)
 #   tuner_gpu_tests  pytest -m gpu over test_generate.py's device-clock tuning tests only: a compile with

@@ -141,23 +141,23 @@ def compile_spmm(two_of_four: bool, block_out: int = 128, words: int = 2, num_wa
                 per_kept_weight=len(loop) / kept_per_thread, mix=mix, sass=sass)
 
 
-def compile_mma_sp(batch: int, slices: int = 4, unroll: int = 2) -> dict:
+def compile_mma_sp(batch: int, slices: int = 4, unroll: int = 2, tiles: int = 1) -> dict:
     """sparse/mma_sp.py's kernel for sm_90a (bf16 x of `batch` rows, 2:4): registers, spills, the word
-    loop's instructions and those per kept weight (a warp's word: 16 rows x 16 kept values), and
-    the loads a word; the word loop unrolled `unroll` times."""
+    loop's instructions and those per kept weight (a warp's word: 16 rows x 16 kept values a tile),
+    and the loads a word; the word loop unrolled `unroll` times, `tiles` 16-row tiles a warp."""
     sys.path.insert(0, str(ROOT))
     from sparse import mma_sp
     pointers = dict(x_ptr="*bf16", values_ptr="*bf16", mask_ptr="*i32", y_ptr="*bf16", residual_ptr="*bf16")
-    constants = dict(SLICES=slices, N_BLOCKS=triton.cdiv(batch, 8), EVEN_K=True, UNROLL=unroll, RESIDUAL=False,
-                     INTERPRETER_SAFE=False)
+    constants = dict(SLICES=slices, M_TILES=tiles, N_BLOCKS=triton.cdiv(batch, 8), EVEN_K=True, UNROLL=unroll,
+                     RESIDUAL=False, INTERPRETER_SAFE=False)
     sass, registers, spill_bytes, shared = compile_for_sm90a(mma_sp._mma_sp_kernel, pointers, constants, slices,
                                                              divisible_by_16=[*pointers, "n_rows", "n_words"])
     # The main word loop: the one with the most sparse MMAs (an unrolled loop leaves a shorter
     # remainder loop beside it); its instructions per word and per kept weight (16 rows x 16 kept).
     loop = max(loops_with(sass, "HMMA"), key=lambda loop: sum(".SP." in text for _, text in loop))
-    words = sum(".SP." in text for _, text in loop) // constants["N_BLOCKS"]
+    words = sum(".SP." in text for _, text in loop) // (constants["N_BLOCKS"] * tiles)
     return dict(registers=registers, spill_bytes=spill_bytes, shared_bytes=shared, words_in_loop=words,
-                per_word=len(loop) / words, per_kept_weight=len(loop) / words * 32 / (16 * 16),
+                per_word=len(loop) / words, per_kept_weight=len(loop) / words * 32 / (16 * 16 * tiles),
                 loads_per_word=sum(op.startswith("LDG") for op, _ in loop) / words, sass=sass)
 
 

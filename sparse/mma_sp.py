@@ -165,10 +165,11 @@ def _mma_sp(a, b, c, e, INTERPRETER_SAFE: tl.constexpr):
 
 
 @triton.jit
-def _word_pointers(values_u32, mask_u32, x_u32, k, rows_low, rows_high, t, x_rows, n_rows, x_stride_u32,
+def _word_pointers(values_u32, mask_u32, x_u32, k, rows, t, x_rows, n_rows, x_stride_u32, M_TILES: tl.constexpr,
                    N_BLOCKS: tl.constexpr):
-    """Where the thread's loads of word k start: (its values in rows g and g + 8, their mask words,
-    x at B register 0 of each block of 8 x rows).
+    """Where the thread's loads of word k start: ((per 16-row tile: its values in rows g and g + 8,
+    their mask words), x at B register 0 of each block of 8 x rows); `rows`: rows g and g + 8 of
+    each tile.
 
     The instruction's K order is a permutation of the word's columns, chosen so that a thread's A
     registers are four consecutive kept values of a row (one 8-byte load a row instead of two
@@ -179,23 +180,32 @@ def _word_pointers(values_u32, mask_u32, x_u32, k, rows_low, rows_high, t, x_row
     register j holds K rows 8j + 2t, + 1, in group 2j + t // 2, which is at the word's column
     8(t // 2) + 2(t % 2) + (0, 16, 4, 20)[j], i.e. uint32 4(t // 2) + t % 2 + (0, 8, 2, 10)[j]."""
     first = ((2 * k + t // 2) * n_rows) * 4 + 2 * (t % 2)
+    weights = ()
+    for m in tl.static_range(M_TILES):
+        weights = weights + (values_u32 + first + rows[2 * m] * 4, values_u32 + first + rows[2 * m + 1] * 4,
+                             mask_u32 + k * n_rows + rows[2 * m], mask_u32 + k * n_rows + rows[2 * m + 1])
     x_pointers = ()
     for block in tl.static_range(N_BLOCKS):
         x_pointers = x_pointers + (x_u32 + x_rows[block] * x_stride_u32 + k * 16 + 4 * (t // 2) + t % 2, )
-    return (values_u32 + first + rows_low * 4, values_u32 + first + rows_high * 4, mask_u32 + k * n_rows + rows_low,
-            mask_u32 + k * n_rows + rows_high, x_pointers)
+    return weights, x_pointers
 
 
 @triton.jit
-def _load_tile(pointers, t, valid, N_BLOCKS: tl.constexpr, EVEN_K: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
-    """The fragments at `pointers` (`_word_pointers`): (a, metadata, b of each block of 8 x rows).
-    Unless EVEN_K, x is zeroed where not `valid` (a word past the end, read at the last word)."""
-    values_low, values_high, mask_low, mask_high, x_pointers = pointers
-    low = _load_u32(values_low, 2, False, INTERPRETER_SAFE)
-    high = _load_u32(values_high, 2, False, INTERPRETER_SAFE)
-    a = (low[0], high[0], low[1], high[1])
-    e = _thread_metadata(_load_u32(mask_low, 1, False, INTERPRETER_SAFE)[0],
-                         _load_u32(mask_high, 1, False, INTERPRETER_SAFE)[0], t % 2 == 1, INTERPRETER_SAFE)
+def _load_word(pointers, t, valid, M_TILES: tl.constexpr, N_BLOCKS: tl.constexpr, EVEN_K: tl.constexpr,
+               INTERPRETER_SAFE: tl.constexpr):
+    """The fragments at `pointers` (`_word_pointers`): (a of each tile, metadata of each tile, b of
+    each block of 8 x rows). Unless EVEN_K, x is zeroed where not `valid` (a word past the end,
+    read at the last word)."""
+    weights, x_pointers = pointers
+    a = ()
+    e = ()
+    for m in tl.static_range(M_TILES):
+        low = _load_u32(weights[4 * m], 2, False, INTERPRETER_SAFE)
+        high = _load_u32(weights[4 * m + 1], 2, False, INTERPRETER_SAFE)
+        a = a + (low[0], high[0], low[1], high[1])
+        e = e + (_thread_metadata(_load_u32(weights[4 * m + 2], 1, False, INTERPRETER_SAFE)[0],
+                                  _load_u32(weights[4 * m + 3], 1, False, INTERPRETER_SAFE)[0], t % 2 == 1,
+                                  INTERPRETER_SAFE), )
     b = ()
     for block in tl.static_range(N_BLOCKS):
         for j in tl.static_range(4):
@@ -205,30 +215,48 @@ def _load_tile(pointers, t, valid, N_BLOCKS: tl.constexpr, EVEN_K: tl.constexpr,
 
 
 @triton.jit
-def _advance(pointers, n_rows, N_BLOCKS: tl.constexpr):
+def _advance(pointers, n_rows, M_TILES: tl.constexpr, N_BLOCKS: tl.constexpr):
     """`_word_pointers` of the next word."""
-    values_low, values_high, mask_low, mask_high, x_pointers = pointers
+    weights, x_pointers = pointers
     step = 8 * n_rows  # uint32 of values a word: two chunks of 4 per row
-    x_next = ()
+    next_weights = ()
+    for m in tl.static_range(M_TILES):
+        next_weights = next_weights + (weights[4 * m] + step, weights[4 * m + 1] + step, weights[4 * m + 2] + n_rows,
+                                       weights[4 * m + 3] + n_rows)
+    next_x = ()
     for block in tl.static_range(N_BLOCKS):
-        x_next = x_next + (x_pointers[block] + 16, )
-    return values_low + step, values_high + step, mask_low + n_rows, mask_high + n_rows, x_next
+        next_x = next_x + (x_pointers[block] + 16, )
+    return next_weights, next_x
+
+
+@triton.jit
+def _multiply(acc, a, e, b, M_TILES: tl.constexpr, N_BLOCKS: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
+    """One instruction per tile and block of 8 x rows; acc holds 4 float32 per (tile, block)."""
+    for m in tl.static_range(M_TILES):
+        for block in tl.static_range(N_BLOCKS):
+            acc = (acc[:4 * (m * N_BLOCKS + block)]
+                   + _mma_sp(a[4 * m:4 * m + 4], b[4 * block:4 * block + 4],
+                             acc[4 * (m * N_BLOCKS + block):4 * (m * N_BLOCKS + block) + 4], e[m], INTERPRETER_SAFE)
+                   + acc[4 * (m * N_BLOCKS + block) + 4:])
+    return acc
 
 
 @triton.jit
 def _mma_sp_kernel(x_ptr, values_ptr, mask_ptr, y_ptr, residual_ptr, n_rows, n_words, words_per_warp, batch_rows,
-                   x_stride, SLICES: tl.constexpr, N_BLOCKS: tl.constexpr, EVEN_K: tl.constexpr, UNROLL: tl.constexpr,
-                   RESIDUAL: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
-    """y[:batch_rows, 16-row tile] of this program (+ the residual's, with RESIDUAL); SLICES warps,
-    warp s walking words_per_warp words from s · words_per_warp, summed through shared memory."""
+                   x_stride, SLICES: tl.constexpr, M_TILES: tl.constexpr, N_BLOCKS: tl.constexpr,
+                   EVEN_K: tl.constexpr, UNROLL: tl.constexpr, RESIDUAL: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
+    """y[:batch_rows, M_TILES 16-row tiles] of this program (+ the residual's, with RESIDUAL); SLICES
+    warps, warp s walking words_per_warp words from s · words_per_warp for every tile (x's loads
+    shared by the tiles), summed through shared memory."""
     THREADS: tl.constexpr = 32 * SLICES
     thread = tl.arange(0, THREADS)
     lane = thread % 32
     g = lane // 4
     t = lane % 4
-    tile = tl.program_id(0) * 16
-    rows_low = tl.minimum(tile + g, n_rows - 1)  # rows past the end repeat the last (not stored)
-    rows_high = tl.minimum(tile + g + 8, n_rows - 1)
+    first_row = tl.program_id(0) * 16 * M_TILES
+    rows = ()  # rows g and g + 8 of each tile; rows past the end repeat the last (not stored)
+    for m in tl.static_range(M_TILES):
+        rows = rows + (tl.minimum(first_row + 16 * m + g, n_rows - 1), tl.minimum(first_row + 16 * m + g + 8, n_rows - 1))
     k_first = (thread // 32) * words_per_warp
     values_u32 = values_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
     mask_u32 = mask_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
@@ -237,59 +265,58 @@ def _mma_sp_kernel(x_ptr, values_ptr, mask_ptr, y_ptr, residual_ptr, n_rows, n_w
     for block in tl.static_range(N_BLOCKS):
         x_rows = x_rows + (tl.minimum(block * 8 + g, batch_rows - 1), )
     acc = ()
-    for i in tl.static_range(4 * N_BLOCKS):
+    for i in tl.static_range(4 * M_TILES * N_BLOCKS):
         acc = acc + (tl.zeros([THREADS], dtype=tl.float32), )
 
-    # One word ahead: word i + 1's loads are issued before word i's instruction. With EVEN_K the
+    # One word ahead: word i + 1's loads are issued before word i's instructions. With EVEN_K the
     # pointers step by a constant a word; otherwise each word is found again, clamped to the last.
     pointers = _word_pointers(values_u32, mask_u32, x_u32, k_first if EVEN_K else tl.minimum(k_first, n_words - 1),
-                              rows_low, rows_high, t, x_rows, n_rows, x_stride // 2, N_BLOCKS)
-    a, e, b = _load_tile(pointers, t, k_first < n_words, N_BLOCKS, EVEN_K, INTERPRETER_SAFE)
+                              rows, t, x_rows, n_rows, x_stride // 2, M_TILES, N_BLOCKS)
+    a, e, b = _load_word(pointers, t, k_first < n_words, M_TILES, N_BLOCKS, EVEN_K, INTERPRETER_SAFE)
     for i in tl.range(1, words_per_warp, loop_unroll_factor=UNROLL):
         if EVEN_K:
-            pointers = _advance(pointers, n_rows, N_BLOCKS)
+            pointers = _advance(pointers, n_rows, M_TILES, N_BLOCKS)
         else:
-            pointers = _word_pointers(values_u32, mask_u32, x_u32, tl.minimum(k_first + i, n_words - 1), rows_low,
-                                      rows_high, t, x_rows, n_rows, x_stride // 2, N_BLOCKS)
-        next_a, next_e, next_b = _load_tile(pointers, t, k_first + i < n_words, N_BLOCKS, EVEN_K, INTERPRETER_SAFE)
-        for block in tl.static_range(N_BLOCKS):
-            acc = acc[:4 * block] + _mma_sp(a, b[4 * block:4 * block + 4], acc[4 * block:4 * block + 4], e,
-                                            INTERPRETER_SAFE) + acc[4 * block + 4:]
+            pointers = _word_pointers(values_u32, mask_u32, x_u32, tl.minimum(k_first + i, n_words - 1), rows, t,
+                                      x_rows, n_rows, x_stride // 2, M_TILES, N_BLOCKS)
+        next_a, next_e, next_b = _load_word(pointers, t, k_first + i < n_words, M_TILES, N_BLOCKS, EVEN_K,
+                                            INTERPRETER_SAFE)
+        acc = _multiply(acc, a, e, b, M_TILES, N_BLOCKS, INTERPRETER_SAFE)
         a, e, b = next_a, next_e, next_b
-    for block in tl.static_range(N_BLOCKS):
-        acc = acc[:4 * block] + _mma_sp(a, b[4 * block:4 * block + 4], acc[4 * block:4 * block + 4], e,
-                                        INTERPRETER_SAFE) + acc[4 * block + 4:]
+    acc = _multiply(acc, a, e, b, M_TILES, N_BLOCKS, INTERPRETER_SAFE)
 
-    # d0, d1: row g with x rows 2t, 2t + 1; d2, d3: row g + 8 with the same x rows (per block of 8)
+    # d0, d1: row g with x rows 2t, 2t + 1; d2, d3: row g + 8 with the same x rows (per tile and block)
     out_lane = tl.arange(0, 32)
     out_g = out_lane // 4
     out_t = out_lane % 4
-    for block in tl.static_range(N_BLOCKS):
-        for i in tl.static_range(4):
-            part = acc[4 * block + i]
-            if SLICES > 1:  # the warps' slices of K, summed through shared memory
-                part = tl.sum(tl.reshape(part, (SLICES, 32)), axis=0)
-            row = tile + out_g + 8 * (i // 2)
-            x_row = block * 8 + 2 * out_t + i % 2
-            ok = (row < n_rows) & (x_row < batch_rows)
-            if RESIDUAL:
-                part += tl.load(residual_ptr + x_row * n_rows + row, mask=ok, other=0.0).to(tl.float32)
-            tl.store(y_ptr + x_row * n_rows + row, part.to(y_ptr.dtype.element_ty), mask=ok)
+    for m in tl.static_range(M_TILES):
+        for block in tl.static_range(N_BLOCKS):
+            for i in tl.static_range(4):
+                part = acc[4 * (m * N_BLOCKS + block) + i]
+                if SLICES > 1:  # the warps' slices of K, summed through shared memory
+                    part = tl.sum(tl.reshape(part, (SLICES, 32)), axis=0)
+                row = first_row + 16 * m + out_g + 8 * (i // 2)
+                x_row = block * 8 + 2 * out_t + i % 2
+                ok = (row < n_rows) & (x_row < batch_rows)
+                if RESIDUAL:
+                    part += tl.load(residual_ptr + x_row * n_rows + row, mask=ok, other=0.0).to(tl.float32)
+                tl.store(y_ptr + x_row * n_rows + row, part.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 def candidate_configs(n_words: int):
-    """(slices, words per warp, unroll): the warps of a program split K evenly (K whole in a
-    program); the word loop unrolled 2 or 4 times (sm_90a SASS: 57.5 and 49 instructions a word
-    at 4 slices, the rotation of the prefetched registers gone; 68 without)."""
-    return [(slices, triton.cdiv(n_words, slices), unroll) for slices in (1, 2, 4, 8, 16) if slices <= n_words
-            for unroll in (2, 4)]
+    """(slices, words per warp, unroll, tiles): the warps of a program split K evenly (K whole in a
+    program); the word loop unrolled 2 or 4 times (sm_90a SASS: 57.5 and 49 instructions a word at
+    4 slices, the rotation of the prefetched registers gone; 68 without); one or two 16-row tiles a
+    warp (two: twice the bytes in flight a warp, x's loads shared)."""
+    return [(slices, triton.cdiv(n_words, slices), unroll, tiles) for slices in (1, 2, 4, 8, 16) if slices <= n_words
+            for unroll in (2, 4) for tiles in (1, 2)]
 
 
 def spmv_2of4(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, config=None, out=None,
               residual: torch.Tensor = None) -> torch.Tensor:
     """y = residual + x @ W.T on the sparse tensor cores for bf16 x of shape (batch <= 16, in) and a
     2:4 weight packed by sparse/format.py (residual: optional, (batch, out)); config: (slices, words
-    per warp, unroll), else the fastest of `candidate_configs` timed once per shape in a CUDA graph
+    per warp, unroll, tiles), else the fastest of `candidate_configs` timed once per shape in a CUDA graph
     (on CPU: the first)."""
     batch, in_features = x.shape
     n_words, n_rows = mask.shape
@@ -311,11 +338,11 @@ def spmv_2of4(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, config=
 
 def _launch(x, values, mask, y, config, residual=None):
     (batch, in_features), (n_words, n_rows) = x.shape, mask.shape
-    slices, words_per_warp, unroll = config
-    _mma_sp_kernel[(triton.cdiv(n_rows, 16), )](
+    slices, words_per_warp, unroll, tiles = config
+    _mma_sp_kernel[(triton.cdiv(n_rows, 16 * tiles), )](
         x, values, mask, y, y if residual is None else residual, n_rows, n_words, words_per_warp, batch, in_features,
-        SLICES=slices, N_BLOCKS=triton.cdiv(batch, 8), EVEN_K=n_words == slices * words_per_warp, UNROLL=unroll,
-        RESIDUAL=residual is not None, INTERPRETER_SAFE=INTERPRETING, num_warps=slices)
+        SLICES=slices, M_TILES=tiles, N_BLOCKS=triton.cdiv(batch, 8), EVEN_K=n_words == slices * words_per_warp,
+        UNROLL=unroll, RESIDUAL=residual is not None, INTERPRETER_SAFE=INTERPRETING, num_warps=slices)
 
 
 _tuned = {}  # (mask shape, rows of x, device) -> config

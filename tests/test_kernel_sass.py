@@ -126,3 +126,6 @@ def test_sparse_tensor_core_product_machine_code():
         assert report["sass"].count("HMMA.SP.16832.F32.BF16") >= report["words_in_loop"], batch
         assert report["loads_per_word"] == loads, batch
         assert report["per_kept_weight"] < per_kept_weight, (batch, report["per_kept_weight"])
+    # Two 16-row tiles a warp: twice the weight bytes in flight, x's four loads shared, no spills.
+    report = kernel_sass.compile_mma_sp(8, slices=4, unroll=4, tiles=2)
+    assert report["spill_bytes"] == 0 and report["loads_per_word"] == 12 and report["per_kept_weight"] < 7.0

@@ -48,22 +48,23 @@ def test_metadata_of_every_2of4_word_shape():
     assert {metadata_reference(n * 0x11111111) & 0xF for n in nibbles} == {0b0100, 0b1000, 0b1001, 0b1100, 0b1101, 0b1110}
 
 
-# 40 rows: two and a half 16-row tiles. 96 columns = 3 words, which 2 slices of 2 words do not
-# cover evenly (the last word past the end). Batches: one row, a partial block of 8, a full
-# one, and two blocks, the second partial.
+# 40 rows: two and a half 16-row tiles. 96 columns = 3 words. Batches: one row, a partial block of
+# 8, a full one, and two blocks, the second partial.
 @interpreted
 @pytest.mark.parametrize("batch", [1, 3, 8, 11])
 def test_product_matches_float64(batch):
     seed = case_seed("mma_sp", batch)
     values, mask = random_packed(40, 96, "2:4", seed, dtype=torch.bfloat16)
     reference_weight = unpack(values, mask).double()
-    for i, config in enumerate([(1, 3, 1), (2, 2, 2), (4, 1, 4), (1, 3, 4)]):
+    # (slices, words per warp, unroll, tiles): the last word past the end (2 x 2, 4 x 1), unrolled
+    # past the words there are (4 > 3), and two 16-row tiles a warp (the second one partly past 40)
+    for i, config in enumerate([(1, 3, 1, 1), (2, 2, 2, 1), (4, 1, 4, 2), (1, 3, 4, 2)]):
         x = torch.randn(batch, 96, generator=torch.Generator().manual_seed(seed + i)).to(torch.bfloat16)
         out = torch.full((batch, 40), float("nan"), dtype=torch.bfloat16)  # poisoned
         y = mma_sp.spmv_2of4(x, values, mask, config=config, out=out)
         assert relative_error(y, x.double() @ reference_weight.T) < 1e-2, config  # bf16 output rounding
     residual = torch.randn(batch, 40, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
-    y = mma_sp.spmv_2of4(x, values, mask, config=(2, 2, 2), residual=residual)
+    y = mma_sp.spmv_2of4(x, values, mask, config=(2, 2, 2, 2), residual=residual)
     assert relative_error(y, residual.double() + x.double() @ reference_weight.T) < 1e-2
 
 
