@@ -91,7 +91,7 @@ def test_tensor_core_2of4_joins_the_race_for_bf16_x_when_switched_on(monkeypatch
     linear._bitmask_matmul(torch.randn(4, 96, dtype=torch.bfloat16), layer.values, layer.mask, two_of_four=False)
     assert calls == ["spmv", "spmv"] and len(races) == 2  # fp32 x, or not 2:4: no race below 8 rows
     calls.clear()  # with a residual to add (o and w2 at 4-7 rows): the SpMV or the tensor cores, never the SpMM
-    x, residual = torch.randn(8, 96, dtype=torch.bfloat16), torch.randn(8, 64, dtype=torch.bfloat16)
+    x, residual = torch.randn(4, 96, dtype=torch.bfloat16), torch.randn(4, 64, dtype=torch.bfloat16)
     linear._bitmask_matmul(x, layer.values, layer.mask, residual=residual, two_of_four=True)
     assert races[-1] == ["spmv", "mma_sp"] and calls == ["spmv", "mma_sp", "mma_sp"]
     monkeypatch.setattr(linear, "TENSOR_CORE_2OF4", False)
