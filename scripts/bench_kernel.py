@@ -275,7 +275,7 @@ def bench_shape(out_features, in_features, batch, pattern, with_semi=True, layer
         fused_us = kernels.time_in_cuda_graph([decode_call(layer, batch, v, m) for v, m in packed])
     tensor_core_us = None
     if pattern == "2:4" and batch <= mma_sp.MAX_ROWS:  # the same weights on the sparse tensor cores
-        mma_sp.spmv_2of4_tuned(x, values, mask)  # (slices, words per warp, unroll) for this shape
+        mma_sp.spmv_2of4_tuned(x, values, mask)  # its config for this shape, tuned outside the timing
         tensor_core_us = kernels.time_in_cuda_graph([lambda v=v, m=m: mma_sp.spmv_2of4(x, v, m) for v, m in packed])
     del packed
     weights = [weight] + [weight.clone() for _ in range(kernels.copies_for(dense_bytes) - 1)]

@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .kernels import INTERPRETING, fastest_in_cuda_graph
+from .kernels import INTERPRETING, _load_u32, fastest_in_cuda_graph
 
 MAX_ROWS = 16  # two m16n8k32 instructions per tile and word
 
@@ -62,19 +62,15 @@ def _metadata_of(word):
 
 
 @triton.jit
-def _load_u32(ptr, COUNT: tl.constexpr, CACHED: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
-    """A tuple of COUNT (1 or 2) consecutive uint32 at each thread's ptr: streamed through L2 (.cg,
-    weights are read once a call) or, with CACHED (COUNT 1 only), through L1 too (.ca: x, which
-    every warp reads)."""
+def _load_x_pair(ptr, INTERPRETER_SAFE: tl.constexpr):
+    """The uint32 (a bf16 pair of x) at each thread's ptr, through L1 (.ca): every warp reads x.
+    (The weights' loads stream through L2 only: kernels._load_u32.)"""
     if INTERPRETER_SAFE:
-        words = (tl.load(ptr), ) if COUNT == 1 else (tl.load(ptr), tl.load(ptr + 1))
-    elif COUNT == 1:
-        words = (tl.inline_asm_elementwise("ld.global.ca.u32 $0, [$1];" if CACHED else "ld.global.cg.u32 $0, [$1];",
-                                           "=r,l", [ptr], dtype=tl.uint32, is_pure=True, pack=1), )
+        pair = tl.load(ptr)
     else:
-        words = tl.inline_asm_elementwise("ld.global.cg.v2.u32 {$0, $1}, [$2];", "=r,=r,l", [ptr],
-                                          dtype=(tl.uint32, tl.uint32), is_pure=True, pack=1)
-    return words
+        pair = tl.inline_asm_elementwise("ld.global.ca.u32 $0, [$1];", "=r,l", [ptr], dtype=tl.uint32, is_pure=True,
+                                         pack=1)
+    return pair
 
 
 @triton.jit
@@ -200,16 +196,16 @@ def _load_word(pointers, t, valid, M_TILES: tl.constexpr, N_BLOCKS: tl.constexpr
     a = ()
     e = ()
     for m in tl.static_range(M_TILES):
-        low = _load_u32(weights[4 * m], 2, False, INTERPRETER_SAFE)
-        high = _load_u32(weights[4 * m + 1], 2, False, INTERPRETER_SAFE)
+        low = _load_u32(weights[4 * m], 2, INTERPRETER_SAFE)
+        high = _load_u32(weights[4 * m + 1], 2, INTERPRETER_SAFE)
         a = a + (low[0], high[0], low[1], high[1])
-        e = e + (_thread_metadata(_load_u32(weights[4 * m + 2], 1, False, INTERPRETER_SAFE)[0],
-                                  _load_u32(weights[4 * m + 3], 1, False, INTERPRETER_SAFE)[0], t % 2 == 1,
+        e = e + (_thread_metadata(_load_u32(weights[4 * m + 2], 1, INTERPRETER_SAFE)[0],
+                                  _load_u32(weights[4 * m + 3], 1, INTERPRETER_SAFE)[0], t % 2 == 1,
                                   INTERPRETER_SAFE), )
     b = ()
     for block in tl.static_range(N_BLOCKS):
         for j in tl.static_range(4):
-            pair = _load_u32(x_pointers[block] + 8 * (j % 2) + 2 * (j // 2), 1, True, INTERPRETER_SAFE)[0]
+            pair = _load_x_pair(x_pointers[block] + 8 * (j % 2) + 2 * (j // 2), INTERPRETER_SAFE)
             b = b + (pair if EVEN_K else tl.where(valid, pair, 0), )
     return a, e, b
 
