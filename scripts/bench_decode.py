@@ -259,11 +259,12 @@ def spmm_fastest_by_stages(batch_size: int) -> dict:
 
 
 def measured_routes(batch_size: int) -> dict:
-    """Which kernel, SpMV or SpMM, each shape's plain matmul went to at this batch size where the
-    route was measured (sparse.linear.MEASURED_ROUTE)."""
+    """Which kernel (SpMV, SpMM or the sparse tensor cores) each shape's matmul went to at this batch
+    size where the route was measured (sparse.linear.MEASURED_ROUTE)."""
     from sparse import linear
-    return {f"{n_rows}x{32 * n_words}{' 2:4' if two_of_four else ''}": kernel
-            for (n_rows, n_words, rows, _, two_of_four, _), kernel in linear._routes.items() if rows == batch_size}
+    return {f"{key.out_features}x{32 * key.in_words}{' 2:4' if key.two_of_four else ''}"
+            f"{' +residual' if key.residual else ''}": kernel
+            for key, kernel in linear._routes.items() if key.rows == batch_size}
 
 
 def bench_gptfast(name: str, dense_step_s: dict, remaining, args, rows: list):

@@ -89,6 +89,8 @@
 #   decode_tc_b48   Llama-3.1-8B 2:4 at batch 4 and 8 with --profile, one process each: this tree, then with
 #                   linear.TENSOR_CORE_2OF4 on (the sparse tensor cores race the SpMV/SpMM for every plain 2:4
 #                   matmul); run after mma_sp_gpu_tests pass (~8, never run yet)
+#   decode_batches_tc  decode_batches with linear.TENSOR_CORE_2OF4 on: dense and 2:4 at batch 4 and 8 in one
+#                   process, the issue-5 batch rows against the dense of the same call (~8)
 #   decode_pending_b18  session 16's four untimed switches in one call: Llama-3.1-8B 2:4 at batch 1 and 8 with
 #                   --profile, one process each: this tree, the SpMM's pairs prefetched, V loaded with K, the
 #                   sliced top-k (with the sliced argmax, on since session 17) (~8; ran 2026-12-04)
@@ -187,6 +189,7 @@ declare -A JOBS=(
   [decode_prologue_ab_b1]="OUT=\$JOB bash scripts/decode_ab.sh 'sparse/linear.py:s/^PROLOGUE_APART_MIN_ROWS = 4/PROLOGUE_APART_MIN_ROWS = 1/' 1 1 -- --models Llama-3.1-8B --patterns 2:4"
   [decode_attention_off_b48]="OUT=\$JOB bash scripts/decode_variants.sh 1 'on=' 'spmv8=$NO_SPMM8' 'no_merge=$NO_MERGE' 'off=$NO_MERGE;$NO_ROPE' -- --models Llama-3.1-8B --patterns 2:4 --batch_sizes 4,8 --profile"
   [decode_attention_programs_b48]="OUT=\$JOB bash scripts/decode_variants.sh 1 'base=' 'programs1056=$PROGRAMS1056' -- --models Llama-3.1-8B --patterns dense,2:4 --batch_sizes 4,8 --profile"
+  [decode_batches_tc]="OUT=\$JOB bash scripts/decode_variants.sh 1 'tc=$TENSOR_CORES' -- --models Llama-3.1-8B --patterns dense,2:4 --batch_sizes 4,8 --deadline_s 520"
   [decode_tc_b48]="OUT=\$JOB bash scripts/decode_variants.sh 1 'base=' 'tc=$TENSOR_CORES' -- --models Llama-3.1-8B --patterns 2:4 --batch_sizes 4,8 --profile"
   [decode_pending_b18]="OUT=\$JOB bash scripts/decode_variants.sh 1 'base=' 'prefetch=$PREFETCH_PAIRS' 'v_with_k=$V_WITH_K' 'sampling=$TOPK64' -- --models Llama-3.1-8B --patterns 2:4 --batch_sizes 1,8 --profile"
   [decode_v_with_k_b148]="OUT=\$JOB bash scripts/decode_variants.sh 1 'base=' 'v_with_k=$V_WITH_K' -- --models Llama-3.1-8B --patterns 2:4 --batch_sizes 1,4,8 --profile"

@@ -15,6 +15,7 @@ The CUDA path is a `torch.library.custom_op`, so torch.compile(fullgraph=True) k
 opaque node and mode="reduce-overhead" records its kernels into the CUDA graph. (An opaque op
 rather than `triton_op` because the SpMV launcher owns a persistent split-K workspace.)
 """
+from collections import namedtuple
 from typing import Optional
 
 import torch
@@ -147,7 +148,8 @@ DECODE_KERNELS = {
     "spmm": lambda x, values, mask, two_of_four, residual: spmm.spmm(x, values, mask, two_of_four=two_of_four),
     "mma_sp": lambda x, values, mask, two_of_four, residual: mma_sp.spmv_2of4(x, values, mask, residual=residual),
 }
-_routes = {}  # (out, in words, rows, dtype, two_of_four, tensor cores, residual, device) -> a DECODE_KERNELS name
+RouteKey = namedtuple("RouteKey", "out_features in_words rows dtype two_of_four tensor_cores residual device")
+_routes = {}  # RouteKey -> a DECODE_KERNELS name
 
 
 def decode_route(x: Tensor, values: Tensor, mask: Tensor, two_of_four: bool, residual: Tensor = None) -> str:
@@ -159,7 +161,8 @@ def decode_route(x: Tensor, values: Tensor, mask: Tensor, two_of_four: bool, res
     spmm_races = rows >= MEASURED_ROUTE_MIN_ROWS and residual is None
     if not (MEASURED_ROUTE and (spmm_races or tensor_cores) and can_time_in_cuda_graph(x)):
         return by_threshold
-    key = (mask.shape[1], mask.shape[0], rows, values.dtype, two_of_four, tensor_cores, residual is not None, x.device)
+    key = RouteKey(mask.shape[1], mask.shape[0], rows, values.dtype, two_of_four, tensor_cores, residual is not None,
+                   x.device)
     if key not in _routes:
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
             return by_threshold  # cannot time inside a capture; warm up first to get the measured one
