@@ -86,11 +86,9 @@
 #                   off, both attention fusions off (~8; the last variant did not fit one call, 2026-12-03)
 #   decode_attention_programs_b48  Llama-3.1-8B dense and 2:4 at batch 4 and 8 with --profile: this tree, then
 #                   the attention's grid aimed at 1056 programs instead of 264 (more, shorter splits) (~8)
-#   decode_tc_b48   Llama-3.1-8B 2:4 at batch 4 and 8 with --profile, one process each: this tree, then with
-#                   linear.TENSOR_CORE_2OF4 on (the sparse tensor cores race the SpMV/SpMM for every plain 2:4
-#                   matmul); run after mma_sp_gpu_tests pass (~8, never run yet)
-#   decode_batches_tc  decode_batches with linear.TENSOR_CORE_2OF4 on: dense and 2:4 at batch 4 and 8 in one
-#                   process, the issue-5 batch rows against the dense of the same call (~8)
+#   decode_tc_b48   Llama-3.1-8B 2:4 at batch 4 and 8 with --profile, one process each: this tree (the sparse
+#                   tensor cores race the SpMV/SpMM for every plain 2:4 matmul), then with linear.TENSOR_CORE_2OF4
+#                   off (~5; 2026-12-04: 3.558 against 3.734 ms at batch 4)
 #   decode_pending_b18  session 16's four untimed switches in one call: Llama-3.1-8B 2:4 at batch 1 and 8 with
 #                   --profile, one process each: this tree, the SpMM's pairs prefetched, V loaded with K, the
 #                   sliced top-k (with the sliced argmax, on since session 17) (~8; ran 2026-12-04)
@@ -144,7 +142,7 @@ SPMM_FROM4="sparse/linear.py:s/^SPMM_MIN_ROWS_2OF4 = 8/SPMM_MIN_ROWS_2OF4 = 4/"
 ARGMAX_WHOLE="generate.py:s/^ARGMAX_CHUNKS = 64/ARGMAX_CHUNKS = 0/"
 TOPK64="generate.py:s/^TOPK_CHUNKS = 0/TOPK_CHUNKS = 64/"
 V_WITH_K="decode_attention.py:s/^LOAD_V_WITH_K = False/LOAD_V_WITH_K = True/"
-TENSOR_CORES="sparse/linear.py:s/^TENSOR_CORE_2OF4 = False/TENSOR_CORE_2OF4 = True/"
+NO_TENSOR_CORES="sparse/linear.py:s/^TENSOR_CORE_2OF4 = True/TENSOR_CORE_2OF4 = False/"
 PLAIN_LOOP="decode_attention.py:s/^PIPELINE_STAGES = 2/PIPELINE_STAGES = 1/"
 PROGRAMS1056="decode_attention.py:s/^PROGRAMS_TARGET = 264 /PROGRAMS_TARGET = 1056 /"
 WIDE_COORDESC="generate.py:s/^INDUCTOR_OPTIONS = {/INDUCTOR_OPTIONS = {\x22coordinate_descent_check_all_directions\x22: True, \x22coordinate_descent_search_radius\x22: 2, /"
@@ -189,8 +187,7 @@ declare -A JOBS=(
   [decode_prologue_ab_b1]="OUT=\$JOB bash scripts/decode_ab.sh 'sparse/linear.py:s/^PROLOGUE_APART_MIN_ROWS = 4/PROLOGUE_APART_MIN_ROWS = 1/' 1 1 -- --models Llama-3.1-8B --patterns 2:4"
   [decode_attention_off_b48]="OUT=\$JOB bash scripts/decode_variants.sh 1 'on=' 'spmv8=$NO_SPMM8' 'no_merge=$NO_MERGE' 'off=$NO_MERGE;$NO_ROPE' -- --models Llama-3.1-8B --patterns 2:4 --batch_sizes 4,8 --profile"
   [decode_attention_programs_b48]="OUT=\$JOB bash scripts/decode_variants.sh 1 'base=' 'programs1056=$PROGRAMS1056' -- --models Llama-3.1-8B --patterns dense,2:4 --batch_sizes 4,8 --profile"
-  [decode_batches_tc]="OUT=\$JOB bash scripts/decode_variants.sh 1 'tc=$TENSOR_CORES' -- --models Llama-3.1-8B --patterns dense,2:4 --batch_sizes 4,8 --deadline_s 520"
-  [decode_tc_b48]="OUT=\$JOB bash scripts/decode_variants.sh 1 'base=' 'tc=$TENSOR_CORES' -- --models Llama-3.1-8B --patterns 2:4 --batch_sizes 4,8 --profile"
+  [decode_tc_b48]="OUT=\$JOB bash scripts/decode_variants.sh 1 'base=' 'no_tc=$NO_TENSOR_CORES' -- --models Llama-3.1-8B --patterns 2:4 --batch_sizes 4,8 --profile"
   [decode_pending_b18]="OUT=\$JOB bash scripts/decode_variants.sh 1 'base=' 'prefetch=$PREFETCH_PAIRS' 'v_with_k=$V_WITH_K' 'sampling=$TOPK64' -- --models Llama-3.1-8B --patterns 2:4 --batch_sizes 1,8 --profile"
   [decode_v_with_k_b148]="OUT=\$JOB bash scripts/decode_variants.sh 1 'base=' 'v_with_k=$V_WITH_K' -- --models Llama-3.1-8B --patterns 2:4 --batch_sizes 1,4,8 --profile"
   [dense_spread]="OUT=\$JOB bash scripts/dense_spread.sh 2"

@@ -122,20 +122,31 @@ def plot_kernel(path_in, out: Path, label: str) -> Path:
         mine = [r for r in rows if r["batch"] == batch]
         names = [f"{r['model']} {r['layer']}\n{r['out']}x{r['inp']}" for r in mine]
         speedups = [r["speedup"] for r in mine]
+        # Rows with the sparse tensor cores' column (sparse/mma_sp.py) get a second bar beside the SpMV/SpMM's.
+        tensor_cores = [r.get("tensor_core_speedup") for r in mine]
+        has_tc = any(tensor_cores)
+        width = 0.4 if has_tc else 0.8
         goal = KERNEL_GOALS.get(batch)
         colors = ["tab:blue" if goal is None or s >= goal else "tab:orange" for s in speedups]
-        ax.bar(range(len(mine)), speedups, color=colors)
+        ax.bar([i - width / 2 * has_tc for i in range(len(mine))], speedups, width, color=colors,
+               label="SpMV/SpMM" if has_tc else None)
+        if has_tc:
+            ax.bar([i + width / 2 for i in range(len(mine))], [s or 0 for s in tensor_cores], width,
+                   color=["tab:green" if goal is None or (s or 0) >= goal else "tab:olive" for s in tensor_cores],
+                   label="sparse tensor cores (mma.sp)")
         if goal:
             ax.axhline(goal, color="tab:red", linestyle="dashed", label=f"goal {goal}x (issue 3)")
+        if goal or has_tc:
             ax.legend(fontsize=7, loc="lower right")
         ax.axhline(1.0, color="black", linewidth=0.5)
         ax.set_xticks(range(len(mine)), names, fontsize=7, rotation=60, ha="right")
         ax.set_ylabel("x cuBLAS")
         # bench_kernel.py times the SpMV up to 16 rows; the prefill expands to dense for cuBLAS
-        ax.set_title(f"prefill of {batch} tokens (expand + cuBLAS)" if batch > 16 else f"batch {batch} (SpMV)",
+        ax.set_title(f"prefill of {batch} tokens (expand + cuBLAS)" if batch > 16 else
+                     f"batch {batch} ({'SpMV/SpMM beside the sparse tensor cores' if has_tc else 'SpMV'})",
                      fontsize=9)
     return save(fig, out / "kernel_speedup.png",
-                f"2:4 kernel over cuBLAS bf16, per linear shape; orange: under issue 3's goal ({label})")
+                f"2:4 kernels over cuBLAS bf16, per linear shape; orange/olive: under issue 3's goal ({label})")
 
 
 def plot_spread(specs, out: Path, label: str) -> Path:

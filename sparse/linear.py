@@ -52,9 +52,10 @@ MEASURED_ROUTE_MIN_ROWS = 8
 # 1-8 rows in its machine code, against the SpMV's 8.6 at 1 and ~27 at 8) joins that race, at any
 # row count, for bf16 matmuls with a 2:4 weight and nothing fused but a residual: in a decode step
 # all four layers from 4 rows (qkv and w13 plain, their norm apart; o and w2 with the residual),
-# none at 1-3 (their prologues are fused). Off until it has run on a GPU (written 2026-12-04,
-# session 23, without device time; docs/KERNEL_NOTES.md has what it should do).
-TENSOR_CORE_2OF4 = False
+# none at 1-3 (their prologues are fused). On the H200 (session 24) it won w13 at 4 rows and every
+# layer at 8: Llama-3.1-8B's 2:4 step 3.734 -> 3.558 ms at batch 4 and 4.812 (session 21) -> 3.839
+# at batch 8 (docs/BENCHMARKS.md session 24).
+TENSOR_CORE_2OF4 = True
 # Prefill expands the weight in this many slices of rows, on a second CUDA stream, each slice's
 # cuBLAS GEMM overlapping the next slice's expansion (`prefill_matmul`): the expansion is DRAM-bound
 # (2.7-3.1 TB/s) and the GEMM at 2048 tokens compute-bound, so apart the expansion adds 5-12 % to
