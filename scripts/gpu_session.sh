@@ -33,8 +33,10 @@
 #   spmm_gpu_tests  pytest -m gpu over the tensor-core SpMM's tests (every tile shape with each K loop) (~3)
 #   mma_sp_gpu_tests  mma_sp_layout_probe.py (which register layout the hardware's mma.sp reads: a table of
 #                   hypotheses), then pytest -m gpu over the sparse tensor-core product's tests (sparse/mma_sp.py:
-#                   mma.sp as inline PTX, every candidate config on three shapes at 1, 5, 8, 16 rows) and
-#                   SparseLinear's with linear.TENSOR_CORE_2OF4 on (~4: some 80 compiles of its variants; never run yet)
+#                   mma.sp as inline PTX, every candidate config on three shapes at 1, 5, 8, 16 rows) (~4;
+#                   2026-12-04 with SparseLinear's as well, 20 candidates: 17 passed in 263 s; 40 candidates now)
+#   tc_route_gpu_tests  pytest -m gpu over SparseLinear's tensor-core route at 1, 4, 8, 16 rows against float64
+#                   (each row count races the candidates first; ~5, 172 s with 20 candidates)
 #   kernel_table_tc bench_kernel.py at batch 1, 4, 8, 16 without torch's 2:4: the issue-3 table with the sparse
 #                   tensor-core column beside the SpMV/SpMM (~5, never run yet)
 #   tuner_gpu_tests  pytest -m gpu over test_generate.py's device-clock tuning tests only: a compile with
@@ -164,7 +166,8 @@ declare -A JOBS=(
   [spmv_gpu_tests]="$PYTEST_GPU tests/test_sparse_kernels.py"
   [new_gpu_tests]="$PYTEST_GPU tests/test_sparse_spmm.py tests/test_decode_attention.py -k 'llama_shape or model_decode_matches_sdpa'"
   [spmm_gpu_tests]="$PYTEST_GPU tests/test_sparse_spmm.py"
-  [mma_sp_gpu_tests]="python3 scripts/mma_sp_layout_probe.py; $PYTEST_GPU tests/test_mma_sp_layout_probe.py tests/test_sparse_mma_sp.py tests/test_sparse_linear.py -k 'tensor_core or hardware'"
+  [mma_sp_gpu_tests]="python3 scripts/mma_sp_layout_probe.py; $PYTEST_GPU tests/test_mma_sp_layout_probe.py tests/test_sparse_mma_sp.py"
+  [tc_route_gpu_tests]="$PYTEST_GPU tests/test_sparse_linear.py -k 'tensor_core or hardware'"
   [kernel_table_tc]="python3 scripts/bench_kernel.py --batches 1,4,8,16 --no-semi --out-md \$JOB/table.md --out-json \$JOB/bench.json"
   [tuner_gpu_tests]="$PYTEST_GPU tests/test_generate.py -k device_clock"
   [attention_gpu_tests]="$PYTEST_GPU tests/test_decode_attention.py tests/test_sparse_linear.py tests/test_generate.py"

@@ -141,24 +141,62 @@ def compile_spmm(two_of_four: bool, block_out: int = 128, words: int = 2, num_wa
                 per_kept_weight=len(loop) / kept_per_thread, mix=mix, sass=sass)
 
 
-def compile_mma_sp(batch: int, slices: int = 4, unroll: int = 2, tiles: int = 1) -> dict:
+def compile_mma_sp(batch: int, slices: int = 4, unroll: int = 2, tiles: int = 1, ahead: int = 1) -> dict:
     """sparse/mma_sp.py's kernel for sm_90a (bf16 x of `batch` rows, 2:4): registers, spills, the word
     loop's instructions and those per kept weight (a warp's word: 16 rows x 16 kept values a tile),
-    and the loads a word; the word loop unrolled `unroll` times, `tiles` 16-row tiles a warp."""
+    the loads a word, and how many words after its load each weight register is first read
+    (`words_to_first_use`: min and max over the loop's weight loads, the streamed `ld.global.cg`,
+    LDG...STRONG.GPU in SASS); the word loop unrolled `unroll` times, `tiles` 16-row tiles a warp,
+    `ahead` words' loads in flight."""
     sys.path.insert(0, str(ROOT))
     from sparse import mma_sp
     pointers = dict(x_ptr="*bf16", values_ptr="*bf16", mask_ptr="*i32", y_ptr="*bf16", residual_ptr="*bf16")
     constants = dict(SLICES=slices, M_TILES=tiles, N_BLOCKS=triton.cdiv(batch, 8), EVEN_K=True, UNROLL=unroll,
-                     RESIDUAL=False, INTERPRETER_SAFE=False)
+                     PREFETCH=ahead, RESIDUAL=False, INTERPRETER_SAFE=False)
+    if "PREFETCH" not in mma_sp._mma_sp_kernel.arg_names:  # before session 24: one word ahead, always
+        del constants["PREFETCH"]
     sass, registers, spill_bytes, shared = compile_for_sm90a(mma_sp._mma_sp_kernel, pointers, constants, slices,
                                                              divisible_by_16=[*pointers, "n_rows", "n_words"])
     # The main word loop: the one with the most sparse MMAs (an unrolled loop leaves a shorter
     # remainder loop beside it); its instructions per word and per kept weight (16 rows x 16 kept).
     loop = max(loops_with(sass, "HMMA"), key=lambda loop: sum(".SP." in text for _, text in loop))
     words = sum(".SP." in text for _, text in loop) // (constants["N_BLOCKS"] * tiles)
+    distances = load_use_distances(loop, "HMMA", "STRONG.GPU")
+    per_word_mmas = constants["N_BLOCKS"] * tiles
     return dict(registers=registers, spill_bytes=spill_bytes, shared_bytes=shared, words_in_loop=words,
                 per_word=len(loop) / words, per_kept_weight=len(loop) / words * 32 / (16 * 16 * tiles),
-                loads_per_word=sum(op.startswith("LDG") for op, _ in loop) / words, sass=sass)
+                loads_per_word=sum(op.startswith("LDG") for op, _ in loop) / words,
+                words_to_first_use=(min(distances) / per_word_mmas, max(distances) / per_word_mmas), sass=sass)
+
+
+def load_use_distances(loop, marker: str, load_kind: str = ""):
+    """For each global load of a loop ((opcode, line) in program order, run again and again) whose
+    opcode holds `load_kind`, how many `marker` instructions (a sparse MMA: one a word and tile)
+    issue between it and the first instruction that reads a register it wrote: how far ahead the
+    loop loads."""
+    parsed = []
+    for opcode, line in loop:
+        full, operands = re.search(rf"\b({opcode}\S*)(.*?);", line).groups()  # e.g. LDG.E.64.STRONG.GPU
+        opcode = full
+        width = 4 if ".128" in opcode else 2 if ".64" in opcode else 1
+        registers = [int(r) for r in re.findall(r"\bR(\d+)\b", operands)]
+        parsed.append((opcode, registers, width))
+    distances = []
+    for i, (opcode, registers, width) in enumerate(parsed):
+        if not opcode.startswith("LDG") or load_kind not in opcode or not registers:
+            continue
+        written = set(range(registers[0], registers[0] + width))
+        markers = 0
+        for step in range(1, len(parsed) + 1):
+            later, later_registers, _ = parsed[(i + step) % len(parsed)]
+            # an MMA reads register ranges (A: 4, B: 2 or 4, C: 4) from its first ones; count them all
+            reads = set(later_registers[1:]) if not later.startswith(marker) else \
+                {r + k for r in later_registers[1:] for k in range(4)}
+            if written & reads:
+                break
+            markers += later.startswith(marker)
+        distances.append(markers)
+    return distances
 
 
 def compile_spmv(kernels, batch: int, slices: int, prefetch: int, nnz_per_word: int = 16,

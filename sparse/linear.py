@@ -52,7 +52,7 @@ MEASURED_ROUTE_MIN_ROWS = 8
 # 1-8 rows in its machine code, against the SpMV's 8.6 at 1 and ~27 at 8) joins that race, at any
 # row count, for bf16 matmuls with a 2:4 weight and nothing fused but a residual: in a decode step
 # all four layers from 4 rows (qkv and w13 plain, their norm apart; o and w2 with the residual),
-# none at 1-3 (their prologues are fused). On the H200 (session 24) it won w13 at 4 rows and every
+# and at 1-3 rows o alone (qkv, w13 and w2 have their prologues fused there). On the H200 (session 24) it won w13 at 4 rows and every
 # layer at 8: Llama-3.1-8B's 2:4 step 3.734 -> 3.558 ms at batch 4 and 4.812 (session 21) -> 3.839
 # at batch 8 (docs/BENCHMARKS.md session 24).
 TENSOR_CORE_2OF4 = True

@@ -187,27 +187,27 @@ def _word_pointers(values_u32, mask_u32, x_u32, k, rows, t, x_rows, n_rows, x_st
 
 
 @triton.jit
-def _load_word(pointers, t, valid, M_TILES: tl.constexpr, N_BLOCKS: tl.constexpr, EVEN_K: tl.constexpr,
+def _load_word(pointers, valid, M_TILES: tl.constexpr, N_BLOCKS: tl.constexpr, EVEN_K: tl.constexpr,
                INTERPRETER_SAFE: tl.constexpr):
-    """The fragments at `pointers` (`_word_pointers`): (a of each tile, metadata of each tile, b of
-    each block of 8 x rows). Unless EVEN_K, x is zeroed where not `valid` (a word past the end,
-    read at the last word)."""
+    """The fragments at `pointers` (`_word_pointers`): (a of each tile, its two mask words of rows g
+    and g + 8 as loaded, b of each block of 8 x rows). The mask words become metadata only when the
+    word is multiplied (`_multiply`), so that a load a few words ahead waits nowhere before then.
+    Unless EVEN_K, x is zeroed where not `valid` (a word past the end, read at the last word)."""
     weights, x_pointers = pointers
     a = ()
-    e = ()
+    masks = ()
     for m in tl.static_range(M_TILES):
         low = _load_u32(weights[4 * m], 2, INTERPRETER_SAFE)
         high = _load_u32(weights[4 * m + 1], 2, INTERPRETER_SAFE)
         a = a + (low[0], high[0], low[1], high[1])
-        e = e + (_thread_metadata(_load_u32(weights[4 * m + 2], 1, INTERPRETER_SAFE)[0],
-                                  _load_u32(weights[4 * m + 3], 1, INTERPRETER_SAFE)[0], t % 2 == 1,
-                                  INTERPRETER_SAFE), )
+        masks = masks + (_load_u32(weights[4 * m + 2], 1, INTERPRETER_SAFE)[0],
+                         _load_u32(weights[4 * m + 3], 1, INTERPRETER_SAFE)[0])
     b = ()
     for block in tl.static_range(N_BLOCKS):
         for j in tl.static_range(4):
             pair = _load_x_pair(x_pointers[block] + 8 * (j % 2) + 2 * (j // 2), INTERPRETER_SAFE)
             b = b + (pair if EVEN_K else tl.where(valid, pair, 0), )
-    return a, e, b
+    return a, masks, b
 
 
 @triton.jit
@@ -226,21 +226,38 @@ def _advance(pointers, n_rows, M_TILES: tl.constexpr, N_BLOCKS: tl.constexpr):
 
 
 @triton.jit
-def _multiply(acc, a, e, b, M_TILES: tl.constexpr, N_BLOCKS: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
-    """One instruction per tile and block of 8 x rows; acc holds 4 float32 per (tile, block)."""
+def _multiply(acc, word, t, M_TILES: tl.constexpr, N_BLOCKS: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
+    """One instruction per tile and block of 8 x rows for a `_load_word` word; acc holds 4 float32
+    per (tile, block)."""
+    a, masks, b = word
     for m in tl.static_range(M_TILES):
+        e = _thread_metadata(masks[2 * m], masks[2 * m + 1], t % 2 == 1, INTERPRETER_SAFE)
         for block in tl.static_range(N_BLOCKS):
             acc = (acc[:4 * (m * N_BLOCKS + block)]
                    + _mma_sp(a[4 * m:4 * m + 4], b[4 * block:4 * block + 4],
-                             acc[4 * (m * N_BLOCKS + block):4 * (m * N_BLOCKS + block) + 4], e[m], INTERPRETER_SAFE)
+                             acc[4 * (m * N_BLOCKS + block):4 * (m * N_BLOCKS + block) + 4], e, INTERPRETER_SAFE)
                    + acc[4 * (m * N_BLOCKS + block) + 4:])
     return acc
 
 
 @triton.jit
+def _next_pointers(pointers, values_u32, mask_u32, x_u32, k, rows, t, x_rows, n_rows, n_words, x_stride_u32,
+                   M_TILES: tl.constexpr, N_BLOCKS: tl.constexpr, EVEN_K: tl.constexpr):
+    """`_word_pointers` of word k, the word after `pointers`': with EVEN_K a constant step, otherwise
+    found again, clamped to the last word (the words past the end are read there, x zeroed)."""
+    if EVEN_K:
+        pointers = _advance(pointers, n_rows, M_TILES, N_BLOCKS)
+    else:
+        pointers = _word_pointers(values_u32, mask_u32, x_u32, tl.minimum(k, n_words - 1), rows, t, x_rows, n_rows,
+                                  x_stride_u32, M_TILES, N_BLOCKS)
+    return pointers
+
+
+@triton.jit
 def _mma_sp_kernel(x_ptr, values_ptr, mask_ptr, y_ptr, residual_ptr, n_rows, n_words, words_per_warp, batch_rows,
                    x_stride, SLICES: tl.constexpr, M_TILES: tl.constexpr, N_BLOCKS: tl.constexpr,
-                   EVEN_K: tl.constexpr, UNROLL: tl.constexpr, RESIDUAL: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
+                   EVEN_K: tl.constexpr, UNROLL: tl.constexpr, PREFETCH: tl.constexpr, RESIDUAL: tl.constexpr,
+                   INTERPRETER_SAFE: tl.constexpr):
     """y[:batch_rows, M_TILES 16-row tiles] of this program (+ the residual's, with RESIDUAL); SLICES
     warps, warp s walking words_per_warp words from s · words_per_warp for every tile (x's loads
     shared by the tiles), summed through shared memory."""
@@ -264,22 +281,25 @@ def _mma_sp_kernel(x_ptr, values_ptr, mask_ptr, y_ptr, residual_ptr, n_rows, n_w
     for i in tl.static_range(4 * M_TILES * N_BLOCKS):
         acc = acc + (tl.zeros([THREADS], dtype=tl.float32), )
 
-    # One word ahead: word i + 1's loads are issued before word i's instructions. With EVEN_K the
-    # pointers step by a constant a word; otherwise each word is found again, clamped to the last.
+    # PREFETCH words ahead: word i + PREFETCH's loads are issued before word i's instructions, so a
+    # warp has PREFETCH words' loads in flight (a warp walks its words one after another; with one
+    # word ahead, a warp's time was about its words x the memory latency, session 24).
+    x_stride_u32 = x_stride // 2
     pointers = _word_pointers(values_u32, mask_u32, x_u32, k_first if EVEN_K else tl.minimum(k_first, n_words - 1),
-                              rows, t, x_rows, n_rows, x_stride // 2, M_TILES, N_BLOCKS)
-    a, e, b = _load_word(pointers, t, k_first < n_words, M_TILES, N_BLOCKS, EVEN_K, INTERPRETER_SAFE)
-    for i in tl.range(1, words_per_warp, loop_unroll_factor=UNROLL):
-        if EVEN_K:
-            pointers = _advance(pointers, n_rows, M_TILES, N_BLOCKS)
-        else:
-            pointers = _word_pointers(values_u32, mask_u32, x_u32, tl.minimum(k_first + i, n_words - 1), rows, t,
-                                      x_rows, n_rows, x_stride // 2, M_TILES, N_BLOCKS)
-        next_a, next_e, next_b = _load_word(pointers, t, k_first + i < n_words, M_TILES, N_BLOCKS, EVEN_K,
-                                            INTERPRETER_SAFE)
-        acc = _multiply(acc, a, e, b, M_TILES, N_BLOCKS, INTERPRETER_SAFE)
-        a, e, b = next_a, next_e, next_b
-    acc = _multiply(acc, a, e, b, M_TILES, N_BLOCKS, INTERPRETER_SAFE)
+                              rows, t, x_rows, n_rows, x_stride_u32, M_TILES, N_BLOCKS)
+    ahead = ()
+    for d in tl.static_range(PREFETCH):
+        ahead = ahead + (_load_word(pointers, k_first + d < n_words, M_TILES, N_BLOCKS, EVEN_K, INTERPRETER_SAFE), )
+        pointers = _next_pointers(pointers, values_u32, mask_u32, x_u32, k_first + d + 1, rows, t, x_rows, n_rows,
+                                  n_words, x_stride_u32, M_TILES, N_BLOCKS, EVEN_K)
+    for i in tl.range(PREFETCH, words_per_warp, loop_unroll_factor=UNROLL):
+        fresh = _load_word(pointers, k_first + i < n_words, M_TILES, N_BLOCKS, EVEN_K, INTERPRETER_SAFE)
+        pointers = _next_pointers(pointers, values_u32, mask_u32, x_u32, k_first + i + 1, rows, t, x_rows, n_rows,
+                                  n_words, x_stride_u32, M_TILES, N_BLOCKS, EVEN_K)
+        acc = _multiply(acc, ahead[0], t, M_TILES, N_BLOCKS, INTERPRETER_SAFE)
+        ahead = ahead[1:] + (fresh, )
+    for d in tl.static_range(PREFETCH):
+        acc = _multiply(acc, ahead[d], t, M_TILES, N_BLOCKS, INTERPRETER_SAFE)
 
     # d0, d1: row g with x rows 2t, 2t + 1; d2, d3: row g + 8 with the same x rows (per tile and block)
     out_lane = tl.arange(0, 32)
@@ -299,21 +319,33 @@ def _mma_sp_kernel(x_ptr, values_ptr, mask_ptr, y_ptr, residual_ptr, n_rows, n_w
                 tl.store(y_ptr + x_row * n_rows + row, part.to(y_ptr.dtype.element_ty), mask=ok)
 
 
+# (words ahead, unroll) pairs tuned. Unrolled 2 or 4 times (sm_90a SASS, one word ahead: 57.5 and
+# 49 instructions a word at 4 slices, the rotation of the prefetched registers gone; 68 without).
+# Words ahead: ptxas reorders the ring's loads and register moves, so what it keeps in flight is
+# not what the source asks for: with one word ahead, some weight loads are first read in the same
+# word (0 words later, scripts/kernel_sass.py's `words_to_first_use`), and a warp then waits on
+# the memory once a word; 4 ahead unrolled 4 times and 2 ahead unrolled twice (one tile) keep every
+# weight load 4 or 2 words from its first read, at 105-251 or 70-94 registers. (2 ahead unrolled 4
+# times keeps some at 0 words with more registers than one ahead: not a candidate.)
+PREFETCH_UNROLL = ((1, 2), (1, 4), (2, 2), (4, 4))
+
+
 def candidate_configs(n_words: int):
-    """(slices, words per warp, unroll, tiles): the warps of a program split K evenly (K whole in a
-    program); the word loop unrolled 2 or 4 times (sm_90a SASS: 57.5 and 49 instructions a word at
-    4 slices, the rotation of the prefetched registers gone; 68 without); one or two 16-row tiles a
-    warp (two: twice the bytes in flight a warp, x's loads shared)."""
-    return [(slices, triton.cdiv(n_words, slices), unroll, tiles) for slices in (1, 2, 4, 8, 16) if slices <= n_words
-            for unroll in (2, 4) for tiles in (1, 2)]
+    """(slices, words per warp, unroll, tiles, words ahead): the warps of a program split K evenly
+    (K whole in a program); one or two 16-row tiles a warp (two: twice the bytes in flight a warp,
+    x's loads shared); 1, 2 or 4 words' loads in flight a warp (PREFETCH_UNROLL; no more than the
+    warp's words)."""
+    return [(slices, triton.cdiv(n_words, slices), unroll, tiles, ahead) for slices in (1, 2, 4, 8, 16)
+            if slices <= n_words for ahead, unroll in PREFETCH_UNROLL if ahead <= triton.cdiv(n_words, slices)
+            for tiles in (1, 2)]
 
 
 def spmv_2of4(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, config=None, out=None,
               residual: torch.Tensor = None) -> torch.Tensor:
     """y = residual + x @ W.T on the sparse tensor cores for bf16 x of shape (batch <= 16, in) and a
     2:4 weight packed by sparse/format.py (residual: optional, (batch, out)); config: (slices, words
-    per warp, unroll, tiles), else the fastest of `candidate_configs` timed once per shape in a CUDA graph
-    (on CPU: the first)."""
+    per warp, unroll, tiles, words ahead), else the fastest of `candidate_configs` timed once per shape
+    in a CUDA graph (on CPU: the first)."""
     batch, in_features = x.shape
     n_words, n_rows = mask.shape
     if x.dtype != torch.bfloat16 or values.dtype != torch.bfloat16:
@@ -334,11 +366,14 @@ def spmv_2of4(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, config=
 
 def _launch(x, values, mask, y, config, residual=None):
     (batch, in_features), (n_words, n_rows) = x.shape, mask.shape
-    slices, words_per_warp, unroll, tiles = config
+    slices, words_per_warp, unroll, tiles, ahead = config
+    if not 1 <= ahead <= words_per_warp or slices * words_per_warp < n_words:
+        raise ValueError(f"spmv_2of4: config {config} does not cover {n_words} words with 1 to words-per-warp "
+                         "words ahead")
     _mma_sp_kernel[(triton.cdiv(n_rows, 16 * tiles), )](
         x, values, mask, y, y if residual is None else residual, n_rows, n_words, words_per_warp, batch, in_features,
         SLICES=slices, M_TILES=tiles, N_BLOCKS=triton.cdiv(batch, 8), EVEN_K=n_words == slices * words_per_warp,
-        UNROLL=unroll, RESIDUAL=residual is not None, INTERPRETER_SAFE=INTERPRETING, num_warps=slices)
+        UNROLL=unroll, PREFETCH=ahead, RESIDUAL=residual is not None, INTERPRETER_SAFE=INTERPRETING, num_warps=slices)
 
 
 _tuned = {}  # (mask shape, rows of x, device) -> config

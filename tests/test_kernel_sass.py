@@ -129,3 +129,15 @@ def test_sparse_tensor_core_product_machine_code():
     # Two 16-row tiles a warp: twice the weight bytes in flight, x's four loads shared, no spills.
     report = kernel_sass.compile_mma_sp(8, slices=4, unroll=4, tiles=2)
     assert report["spill_bytes"] == 0 and report["loads_per_word"] == 12 and report["per_kept_weight"] < 7.0
+
+
+def test_sparse_tensor_core_product_keeps_its_words_ahead_in_flight():
+    # ptxas reorders the ring of prefetched words (mma_sp.PREFETCH_UNROLL): one word ahead, some
+    # weight loads are read in the word they were issued for (0 words later), so a warp waits on
+    # the memory every word; four ahead unrolled four times, every weight load is first read four
+    # words later (3.5 at 16 rows: x's second block), with no spills.
+    for batch, tiles in ((1, 1), (8, 1), (8, 2), (16, 1)):
+        report = kernel_sass.compile_mma_sp(batch, slices=4, unroll=4, tiles=tiles, ahead=4)
+        assert report["spill_bytes"] == 0, (batch, tiles)
+        assert report["words_to_first_use"][0] >= 3.5, (batch, tiles, report["words_to_first_use"])
+    assert kernel_sass.compile_mma_sp(1, slices=4, unroll=4)["words_to_first_use"][0] == 0

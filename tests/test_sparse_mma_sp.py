@@ -56,15 +56,18 @@ def test_product_matches_float64(batch):
     seed = case_seed("mma_sp", batch)
     values, mask = random_packed(40, 96, "2:4", seed, dtype=torch.bfloat16)
     reference_weight = unpack(values, mask).double()
-    # (slices, words per warp, unroll, tiles): the last word past the end (2 x 2, 4 x 1), unrolled
-    # past the words there are (4 > 3), and two 16-row tiles a warp (the second one partly past 40)
-    for i, config in enumerate([(1, 3, 1, 1), (2, 2, 2, 1), (4, 1, 4, 2), (1, 3, 4, 2)]):
+    # (slices, words per warp, unroll, tiles, words ahead): the last word past the end (2 x 2, 4 x 1),
+    # unrolled past the words there are (4 > 3), two 16-row tiles a warp (the second one partly past
+    # 40), and 2 or 3 words ahead (the loop then runs once or not at all: the words come from the
+    # ring's fill and drain; with 2 x 2 the second warp's second word is past the end)
+    for i, config in enumerate([(1, 3, 1, 1, 1), (2, 2, 2, 1, 2), (4, 1, 4, 2, 1), (1, 3, 4, 2, 2),
+                                (1, 3, 4, 1, 3)]):
         x = torch.randn(batch, 96, generator=torch.Generator().manual_seed(seed + i)).to(torch.bfloat16)
         out = torch.full((batch, 40), float("nan"), dtype=torch.bfloat16)  # poisoned
         y = mma_sp.spmv_2of4(x, values, mask, config=config, out=out)
         assert relative_error(y, x.double() @ reference_weight.T) < 1e-2, config  # bf16 output rounding
     residual = torch.randn(batch, 40, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
-    y = mma_sp.spmv_2of4(x, values, mask, config=(2, 2, 2, 2), residual=residual)
+    y = mma_sp.spmv_2of4(x, values, mask, config=(2, 2, 2, 2, 2), residual=residual)
     assert relative_error(y, residual.double() + x.double() @ reference_weight.T) < 1e-2
 
 
@@ -77,6 +80,10 @@ def test_bad_operands_are_one_clear_error():
         mma_sp.spmv_2of4(torch.zeros(1, 96, dtype=torch.bfloat16), values, mask)
     with pytest.raises(ValueError, match="1 to 16 rows"):
         mma_sp.spmv_2of4(torch.zeros(17, 64, dtype=torch.bfloat16), values, mask)
+    with pytest.raises(ValueError, match="words ahead"):
+        mma_sp.spmv_2of4(x, values, mask, config=(1, 2, 2, 1, 4))  # more words ahead than the warp's 2
+    with pytest.raises(ValueError, match="does not cover"):
+        mma_sp.spmv_2of4(x, values, mask, config=(1, 1, 2, 1, 1))  # one word of two
     with pytest.raises(ValueError, match="residual"):
         mma_sp.spmv_2of4(x, values, mask, residual=torch.zeros(2, 16, dtype=torch.bfloat16))
     values48, mask48 = pack(torch.randn(16, 64).to(torch.bfloat16), "4:8")
