@@ -38,7 +38,9 @@
 #   tc_route_gpu_tests  pytest -m gpu over SparseLinear's tensor-core route at 1, 4, 8, 16 rows against float64
 #                   (each row count races the candidates first; ~5, 172 s with 20 candidates)
 #   kernel_table_tc bench_kernel.py at batch 1, 4, 8, 16 without torch's 2:4: the issue-3 table with the sparse
-#                   tensor-core column beside the SpMV/SpMM (~5, never run yet)
+#                   tensor-core column beside the SpMV/SpMM (2026-12-04: 357 s with 20 tensor-core candidates a
+#                   shape; with 40 now, run it in halves:)
+#   kernel_table_tc_b14, kernel_table_tc_b816  the same at batch 1 and 4, and at 8 and 16 (~4-5 each)
 #   tuner_gpu_tests  pytest -m gpu over test_generate.py's device-clock tuning tests only: a compile with
 #                   Inductor's tuner on the profiler's kernel times, before any decode job relies on it (~1)
 #   attention_gpu_tests  pytest -m gpu over the decode attention, SparseLinear (the measured SpMV/SpMM
@@ -169,6 +171,8 @@ declare -A JOBS=(
   [mma_sp_gpu_tests]="python3 scripts/mma_sp_layout_probe.py; $PYTEST_GPU tests/test_mma_sp_layout_probe.py tests/test_sparse_mma_sp.py"
   [tc_route_gpu_tests]="$PYTEST_GPU tests/test_sparse_linear.py -k 'tensor_core or hardware'"
   [kernel_table_tc]="python3 scripts/bench_kernel.py --batches 1,4,8,16 --no-semi --out-md \$JOB/table.md --out-json \$JOB/bench.json"
+  [kernel_table_tc_b14]="python3 scripts/bench_kernel.py --batches 1,4 --no-semi --out-md \$JOB/table.md --out-json \$JOB/bench.json"
+  [kernel_table_tc_b816]="python3 scripts/bench_kernel.py --batches 8,16 --no-semi --out-md \$JOB/table.md --out-json \$JOB/bench.json"
   [tuner_gpu_tests]="$PYTEST_GPU tests/test_generate.py -k device_clock"
   [attention_gpu_tests]="$PYTEST_GPU tests/test_decode_attention.py tests/test_sparse_linear.py tests/test_generate.py"
   [decode_gpu_tests]="$PYTEST_GPU tests/test_sparse_kernels.py tests/test_sparse_linear.py tests/test_decode_attention.py tests/test_generate.py"
