@@ -69,9 +69,10 @@ def has_prologue(layer: str) -> bool:
     return bool(DECODE_FUSION[layer].get("norm") or DECODE_FUSION[layer].get("gated"))
 
 
-def fused_sparse_call(layer: str, batch: int, values, mask, pack_x=None):
+def fused_sparse_call(layer: str, batch: int, values, mask, pack_x=None, tensor_cores=False):
     """The SpMV as a decode step runs it for this layer, with its inputs and the config tuned for
-    this fusion (kernels.spmv_config); pack_x as kernels.spmv takes it."""
+    this fusion (kernels.spmv_config); pack_x as kernels.spmv takes it. tensor_cores: the sparse
+    tensor cores' product with the same fusion instead (2:4, not w2: they take no silu·mul)."""
     n_words, n_rows = mask.shape
     fusion = DECODE_FUSION[layer]
     device, dtype = values.device, values.dtype
@@ -81,6 +82,9 @@ def fused_sparse_call(layer: str, batch: int, values, mask, pack_x=None):
         options.update(norm_weight=torch.rand(n_words * 32, device=device, dtype=dtype) + 0.5, norm_eps=1e-5)
     if fusion.get("residual"):
         options["residual"] = torch.randn(batch, n_rows, device=device, dtype=dtype)
+    if tensor_cores:
+        del options["gated"], options["pack_x"]
+        return lambda: mma_sp.spmv_2of4(x, values, mask, **options)
     return lambda: kernels.spmv(x, values, mask, **options)
 
 
@@ -273,10 +277,14 @@ def bench_shape(out_features, in_features, batch, pattern, with_semi=True, layer
     if layer in DECODE_FUSION and batch < spmm_min_rows(parse_pattern(pattern) == (2, 4)):
         decode_call = unfused_sparse_call if has_prologue(layer) and batch >= PROLOGUE_APART_MIN_ROWS else fused_sparse_call
         fused_us = kernels.time_in_cuda_graph([decode_call(layer, batch, v, m) for v, m in packed])
-    tensor_core_us = None
+    tensor_core_us = tensor_core_fused_us = None
     if pattern == "2:4" and batch <= mma_sp.MAX_ROWS:  # the same weights on the sparse tensor cores
         mma_sp.spmv_2of4_tuned(x, values, mask)  # its config for this shape, tuned outside the timing
         tensor_core_us = kernels.time_in_cuda_graph([lambda v=v, m=m: mma_sp.spmv_2of4(x, v, m) for v, m in packed])
+        if fused_us is not None and decode_call is fused_sparse_call and not DECODE_FUSION[layer].get("gated"):
+            calls = [fused_sparse_call(layer, batch, v, m, tensor_cores=True) for v, m in packed]
+            calls[0]()  # tunes its config for this fusion, outside the timing
+            tensor_core_fused_us = kernels.time_in_cuda_graph(calls)
     del packed
     weights = [weight] + [weight.clone() for _ in range(kernels.copies_for(dense_bytes) - 1)]
     dense_us = kernels.time_in_cuda_graph([lambda w=w: F.linear(x, w) for w in weights])
@@ -287,7 +295,9 @@ def bench_shape(out_features, in_features, batch, pattern, with_semi=True, layer
                dense_gbps=(dense_bytes + io_bytes) / dense_us / 1e3, sparse_bytes=sparse_bytes + io_bytes)
     if tensor_core_us is not None:
         row.update(tensor_core_us=tensor_core_us, tensor_core_speedup=dense_us / tensor_core_us,
-                   tensor_core_config=mma_sp.spmv_2of4_config(x, mask))
+                   tensor_core_config=mma_sp.spmv_2of4_config(x, mask), tensor_core_fused_us=tensor_core_fused_us)
+        if tensor_core_fused_us is not None and DECODE_FUSION[layer].get("norm"):
+            row["tensor_core_fused_config"] = mma_sp.spmv_2of4_config(x, mask, norm=True)
     if batch <= kernels.MAX_SPMV_BATCH:  # the configs the tuner picked (already timed: no tuning here)
         row["config"] = kernels.spmv_config(x, values, mask, kernels.packs_x(x))
         if fused_us is not None and decode_call is fused_sparse_call:
@@ -426,19 +436,22 @@ def markdown_table(rows: list) -> str:
              "`to_sparse_semi_structured` + F.linear timed eagerly; fused µs: the same SpMV with the work a "
              "decode step gives it (RMSNorm before qkv/w13, silu·mul before w2, residual after o/w2; from "
              f"{PROLOGUE_APART_MIN_ROWS} rows the prologue as its own Inductor kernel before the SpMV, as the step runs it); "
-             "sparse TC: the same 2:4 weights on the sparse tensor cores (sparse/mma_sp.py, no fusions), x cuBLAS.", "",
+             "sparse TC: the same 2:4 weights on the sparse tensor cores (sparse/mma_sp.py, no fusions), x cuBLAS; "
+             "TC fused µs: the same with the norm or the residual fused where the SpMV's fused µs has them "
+             "(not w2's silu·mul).", "",
              "| model | layer | out×in | batch | sparse µs | GB/s | floor µs | cuBLAS µs | speedup | fused µs | torch 2:4 µs | vs 2:4 "
-             "| sparse TC µs (x cuBLAS) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| sparse TC µs (x cuBLAS) | TC fused µs |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         semi = f"{r['semi_us']:.1f}" if r.get("semi_us") else (r.get("semi_error") or "-")
         vs_semi = f"{r['speedup_vs_semi']:.2f}×" if r.get("speedup_vs_semi") else "-"
         floor_us = r["sparse_bytes"] / peak_gbps / 1e3
         fused = f"{r['fused_us']:.1f}" if r.get("fused_us") else "-"
         tensor_core = f"{r['tensor_core_us']:.1f} ({r['tensor_core_speedup']:.2f}×)" if r.get("tensor_core_us") else "-"
+        tensor_core_fused = f"{r['tensor_core_fused_us']:.1f}" if r.get("tensor_core_fused_us") else "-"
         lines.append(f"| {r['model']} | {r['layer']} | {r['out']}×{r['inp']} | {r['batch']} | {r['sparse_us']:.1f} | "
                      f"{r['sparse_gbps']:.0f} | {floor_us:.1f} | {r['dense_us']:.1f} | {r['speedup']:.2f}× | "
-                     f"{fused} | {semi} | {vs_semi} | {tensor_core} |")
+                     f"{fused} | {semi} | {vs_semi} | {tensor_core} | {tensor_core_fused} |")
     return "\n".join(lines) + "\n"
 
 

@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .kernels import INTERPRETING, _load_u32, fastest_in_cuda_graph
+from .kernels import INTERPRETING, _bf16_bits, _load_u32, fastest_in_cuda_graph
 
 MAX_ROWS = 16  # two m16n8k32 instructions per tile and word
 
@@ -161,11 +161,11 @@ def _mma_sp(a, b, c, e, INTERPRETER_SAFE: tl.constexpr):
 
 
 @triton.jit
-def _word_pointers(values_u32, mask_u32, x_u32, k, rows, t, x_rows, n_rows, x_stride_u32, M_TILES: tl.constexpr,
-                   N_BLOCKS: tl.constexpr):
+def _word_pointers(values_u32, mask_u32, x_u32, norm_u32, k, rows, t, x_rows, n_rows, x_stride_u32,
+                   M_TILES: tl.constexpr, N_BLOCKS: tl.constexpr, NORM: tl.constexpr):
     """Where the thread's loads of word k start: ((per 16-row tile: its values in rows g and g + 8,
-    their mask words), x at B register 0 of each block of 8 x rows); `rows`: rows g and g + 8 of
-    each tile.
+    their mask words), x at B register 0 of each block of 8 x rows, then with NORM the norm weight
+    at the same columns); `rows`: rows g and g + 8 of each tile.
 
     The instruction's K order is a permutation of the word's columns, chosen so that a thread's A
     registers are four consecutive kept values of a row (one 8-byte load a row instead of two
@@ -181,16 +181,18 @@ def _word_pointers(values_u32, mask_u32, x_u32, k, rows, t, x_rows, n_rows, x_st
         weights = weights + (values_u32 + first + rows[2 * m] * 4, values_u32 + first + rows[2 * m + 1] * 4,
                              mask_u32 + k * n_rows + rows[2 * m], mask_u32 + k * n_rows + rows[2 * m + 1])
     x_pointers = ()
-    for block in tl.static_range(N_BLOCKS):
-        x_pointers = x_pointers + (x_u32 + x_rows[block] * x_stride_u32 + k * 16 + 4 * (t // 2) + t % 2, )
+    for block in tl.static_range(N_BLOCKS + NORM):
+        row = x_u32 + x_rows[block] * x_stride_u32 if block < N_BLOCKS else norm_u32
+        x_pointers = x_pointers + (row + k * 16 + 4 * (t // 2) + t % 2, )
     return weights, x_pointers
 
 
 @triton.jit
-def _load_word(pointers, valid, M_TILES: tl.constexpr, N_BLOCKS: tl.constexpr, EVEN_K: tl.constexpr,
-               INTERPRETER_SAFE: tl.constexpr):
+def _load_word(pointers, valid, M_TILES: tl.constexpr, N_BLOCKS: tl.constexpr, NORM: tl.constexpr,
+               EVEN_K: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
     """The fragments at `pointers` (`_word_pointers`): (a of each tile, its two mask words of rows g
-    and g + 8 as loaded, b of each block of 8 x rows). The mask words become metadata only when the
+    and g + 8 as loaded, b of each block of 8 x rows, then with NORM the norm weight's four pairs
+    at b's columns). The mask words become metadata, and x times the norm weight b, only when the
     word is multiplied (`_multiply`), so that a load a few words ahead waits nowhere before then.
     Unless EVEN_K, x is zeroed where not `valid` (a word past the end, read at the last word)."""
     weights, x_pointers = pointers
@@ -203,7 +205,7 @@ def _load_word(pointers, valid, M_TILES: tl.constexpr, N_BLOCKS: tl.constexpr, E
         masks = masks + (_load_u32(weights[4 * m + 2], 1, INTERPRETER_SAFE)[0],
                          _load_u32(weights[4 * m + 3], 1, INTERPRETER_SAFE)[0])
     b = ()
-    for block in tl.static_range(N_BLOCKS):
+    for block in tl.static_range(N_BLOCKS + NORM):
         for j in tl.static_range(4):
             pair = _load_x_pair(x_pointers[block] + 8 * (j % 2) + 2 * (j // 2), INTERPRETER_SAFE)
             b = b + (pair if EVEN_K else tl.where(valid, pair, 0), )
@@ -211,7 +213,7 @@ def _load_word(pointers, valid, M_TILES: tl.constexpr, N_BLOCKS: tl.constexpr, E
 
 
 @triton.jit
-def _advance(pointers, n_rows, M_TILES: tl.constexpr, N_BLOCKS: tl.constexpr):
+def _advance(pointers, n_rows, M_TILES: tl.constexpr, N_BLOCKS: tl.constexpr, NORM: tl.constexpr):
     """`_word_pointers` of the next word."""
     weights, x_pointers = pointers
     step = 8 * n_rows  # uint32 of values a word: two chunks of 4 per row
@@ -220,16 +222,49 @@ def _advance(pointers, n_rows, M_TILES: tl.constexpr, N_BLOCKS: tl.constexpr):
         next_weights = next_weights + (weights[4 * m] + step, weights[4 * m + 1] + step, weights[4 * m + 2] + n_rows,
                                        weights[4 * m + 3] + n_rows)
     next_x = ()
-    for block in tl.static_range(N_BLOCKS):
+    for block in tl.static_range(N_BLOCKS + NORM):
         next_x = next_x + (x_pointers[block] + 16, )
     return next_weights, next_x
 
 
 @triton.jit
-def _multiply(acc, word, t, M_TILES: tl.constexpr, N_BLOCKS: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
+def _bf16_product(pair, weight, INTERPRETER_SAFE: tl.constexpr):
+    """The two bf16 of `pair` times those of `weight`, each rounded to bf16 (to nearest, ties to
+    even: the float32 product of two bf16 is exact, so rounding it once is the bf16 product), one
+    instruction on the GPU."""
+    if INTERPRETER_SAFE:
+        low = _bf16_bits((_half(pair, False) * _half(weight, False)).to(tl.uint32, bitcast=True))
+        high = _bf16_bits((_half(pair, True) * _half(weight, True)).to(tl.uint32, bitcast=True))
+        product = low | (high << 16)
+    else:
+        product = tl.inline_asm_elementwise("mul.rn.bf16x2 $0, $1, $2;", "=r,r,r", [pair, weight], dtype=tl.uint32,
+                                            is_pure=True, pack=1)
+    return product
+
+
+@triton.jit
+def _normed_x(b, squares, N_BLOCKS: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
+    """b (x's pairs of each block, then the norm weight's four) -> (x times the norm weight as bf16
+    pairs, squares + each block's x^2). The norm's 1/rms factors out of the row sum: applied at the
+    end (as the SpMV's fused norm does)."""
+    normed = ()
+    for block in tl.static_range(N_BLOCKS):
+        for j in tl.static_range(4):
+            pair = b[4 * block + j]
+            low, high = _half(pair, False), _half(pair, True)
+            squares = squares[:block] + (squares[block] + low * low + high * high, ) + squares[block + 1:]
+            normed = normed + (_bf16_product(pair, b[4 * N_BLOCKS + j], INTERPRETER_SAFE), )
+    return normed, squares
+
+
+@triton.jit
+def _multiply(acc, squares, word, t, M_TILES: tl.constexpr, N_BLOCKS: tl.constexpr, NORM: tl.constexpr,
+              INTERPRETER_SAFE: tl.constexpr):
     """One instruction per tile and block of 8 x rows for a `_load_word` word; acc holds 4 float32
-    per (tile, block)."""
+    per (tile, block); with NORM, x times the norm weight first, and its squares added up."""
     a, masks, b = word
+    if NORM:
+        b, squares = _normed_x(b, squares, N_BLOCKS, INTERPRETER_SAFE)
     for m in tl.static_range(M_TILES):
         e = _thread_metadata(masks[2 * m], masks[2 * m + 1], t % 2 == 1, INTERPRETER_SAFE)
         for block in tl.static_range(N_BLOCKS):
@@ -237,30 +272,31 @@ def _multiply(acc, word, t, M_TILES: tl.constexpr, N_BLOCKS: tl.constexpr, INTER
                    + _mma_sp(a[4 * m:4 * m + 4], b[4 * block:4 * block + 4],
                              acc[4 * (m * N_BLOCKS + block):4 * (m * N_BLOCKS + block) + 4], e, INTERPRETER_SAFE)
                    + acc[4 * (m * N_BLOCKS + block) + 4:])
-    return acc
+    return acc, squares
 
 
 @triton.jit
-def _next_pointers(pointers, values_u32, mask_u32, x_u32, k, rows, t, x_rows, n_rows, n_words, x_stride_u32,
-                   M_TILES: tl.constexpr, N_BLOCKS: tl.constexpr, EVEN_K: tl.constexpr):
+def _next_pointers(pointers, values_u32, mask_u32, x_u32, norm_u32, k, rows, t, x_rows, n_rows, n_words,
+                   x_stride_u32, M_TILES: tl.constexpr, N_BLOCKS: tl.constexpr, NORM: tl.constexpr,
+                   EVEN_K: tl.constexpr):
     """`_word_pointers` of word k, the word after `pointers`': with EVEN_K a constant step, otherwise
     found again, clamped to the last word (the words past the end are read there, x zeroed)."""
     if EVEN_K:
-        pointers = _advance(pointers, n_rows, M_TILES, N_BLOCKS)
+        pointers = _advance(pointers, n_rows, M_TILES, N_BLOCKS, NORM)
     else:
-        pointers = _word_pointers(values_u32, mask_u32, x_u32, tl.minimum(k, n_words - 1), rows, t, x_rows, n_rows,
-                                  x_stride_u32, M_TILES, N_BLOCKS)
+        pointers = _word_pointers(values_u32, mask_u32, x_u32, norm_u32, tl.minimum(k, n_words - 1), rows, t, x_rows,
+                                  n_rows, x_stride_u32, M_TILES, N_BLOCKS, NORM)
     return pointers
 
 
 @triton.jit
-def _mma_sp_kernel(x_ptr, values_ptr, mask_ptr, y_ptr, residual_ptr, n_rows, n_words, words_per_warp, batch_rows,
-                   x_stride, SLICES: tl.constexpr, M_TILES: tl.constexpr, N_BLOCKS: tl.constexpr,
-                   EVEN_K: tl.constexpr, UNROLL: tl.constexpr, PREFETCH: tl.constexpr, RESIDUAL: tl.constexpr,
-                   INTERPRETER_SAFE: tl.constexpr):
-    """y[:batch_rows, M_TILES 16-row tiles] of this program (+ the residual's, with RESIDUAL); SLICES
-    warps, warp s walking words_per_warp words from s · words_per_warp for every tile (x's loads
-    shared by the tiles), summed through shared memory."""
+def _mma_sp_kernel(x_ptr, values_ptr, mask_ptr, y_ptr, residual_ptr, norm_ptr, n_rows, n_words, words_per_warp,
+                   batch_rows, x_stride, norm_eps, SLICES: tl.constexpr, M_TILES: tl.constexpr,
+                   N_BLOCKS: tl.constexpr, EVEN_K: tl.constexpr, UNROLL: tl.constexpr, PREFETCH: tl.constexpr,
+                   NORM: tl.constexpr, RESIDUAL: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
+    """y[:batch_rows, M_TILES 16-row tiles] of this program (+ the residual's, with RESIDUAL; of
+    RMSNorm(x) * the norm weight, with NORM); SLICES warps, warp s walking words_per_warp words from
+    s · words_per_warp for every tile (x's loads shared by the tiles), summed through shared memory."""
     THREADS: tl.constexpr = 32 * SLICES
     thread = tl.arange(0, THREADS)
     lane = thread % 32
@@ -274,43 +310,61 @@ def _mma_sp_kernel(x_ptr, values_ptr, mask_ptr, y_ptr, residual_ptr, n_rows, n_w
     values_u32 = values_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
     mask_u32 = mask_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
     x_u32 = x_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
+    norm_u32 = norm_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
     x_rows = ()  # the x row each thread's B fragment reads in each block of 8 (past the batch: the last)
     for block in tl.static_range(N_BLOCKS):
         x_rows = x_rows + (tl.minimum(block * 8 + g, batch_rows - 1), )
     acc = ()
     for i in tl.static_range(4 * M_TILES * N_BLOCKS):
         acc = acc + (tl.zeros([THREADS], dtype=tl.float32), )
+    squares = ()  # with NORM: each block's sum of x^2 (x row g of the block) over the thread's columns
+    for block in tl.static_range(N_BLOCKS * NORM):
+        squares = squares + (tl.zeros([THREADS], dtype=tl.float32), )
 
     # PREFETCH words ahead: word i + PREFETCH's loads are issued before word i's instructions, so a
     # warp has PREFETCH words' loads in flight (a warp walks its words one after another; with one
     # word ahead, a warp's time was about its words x the memory latency, session 24).
     x_stride_u32 = x_stride // 2
-    pointers = _word_pointers(values_u32, mask_u32, x_u32, k_first if EVEN_K else tl.minimum(k_first, n_words - 1),
-                              rows, t, x_rows, n_rows, x_stride_u32, M_TILES, N_BLOCKS)
+    pointers = _word_pointers(values_u32, mask_u32, x_u32, norm_u32,
+                              k_first if EVEN_K else tl.minimum(k_first, n_words - 1), rows, t, x_rows, n_rows,
+                              x_stride_u32, M_TILES, N_BLOCKS, NORM)
     ahead = ()
     for d in tl.static_range(PREFETCH):
-        ahead = ahead + (_load_word(pointers, k_first + d < n_words, M_TILES, N_BLOCKS, EVEN_K, INTERPRETER_SAFE), )
-        pointers = _next_pointers(pointers, values_u32, mask_u32, x_u32, k_first + d + 1, rows, t, x_rows, n_rows,
-                                  n_words, x_stride_u32, M_TILES, N_BLOCKS, EVEN_K)
+        ahead = ahead + (_load_word(pointers, k_first + d < n_words, M_TILES, N_BLOCKS, NORM, EVEN_K,
+                                    INTERPRETER_SAFE), )
+        pointers = _next_pointers(pointers, values_u32, mask_u32, x_u32, norm_u32, k_first + d + 1, rows, t, x_rows,
+                                  n_rows, n_words, x_stride_u32, M_TILES, N_BLOCKS, NORM, EVEN_K)
     for i in tl.range(PREFETCH, words_per_warp, loop_unroll_factor=UNROLL):
-        fresh = _load_word(pointers, k_first + i < n_words, M_TILES, N_BLOCKS, EVEN_K, INTERPRETER_SAFE)
-        pointers = _next_pointers(pointers, values_u32, mask_u32, x_u32, k_first + i + 1, rows, t, x_rows, n_rows,
-                                  n_words, x_stride_u32, M_TILES, N_BLOCKS, EVEN_K)
-        acc = _multiply(acc, ahead[0], t, M_TILES, N_BLOCKS, INTERPRETER_SAFE)
+        fresh = _load_word(pointers, k_first + i < n_words, M_TILES, N_BLOCKS, NORM, EVEN_K, INTERPRETER_SAFE)
+        pointers = _next_pointers(pointers, values_u32, mask_u32, x_u32, norm_u32, k_first + i + 1, rows, t, x_rows,
+                                  n_rows, n_words, x_stride_u32, M_TILES, N_BLOCKS, NORM, EVEN_K)
+        acc, squares = _multiply(acc, squares, ahead[0], t, M_TILES, N_BLOCKS, NORM, INTERPRETER_SAFE)
         ahead = ahead[1:] + (fresh, )
     for d in tl.static_range(PREFETCH):
-        acc = _multiply(acc, ahead[d], t, M_TILES, N_BLOCKS, INTERPRETER_SAFE)
+        acc, squares = _multiply(acc, squares, ahead[d], t, M_TILES, N_BLOCKS, NORM, INTERPRETER_SAFE)
 
     # d0, d1: row g with x rows 2t, 2t + 1; d2, d3: row g + 8 with the same x rows (per tile and block)
     out_lane = tl.arange(0, 32)
     out_g = out_lane // 4
     out_t = out_lane % 4
+    inverse_rms = ()  # with NORM, per block and x row 2t / 2t + 1 of each lane: 1/rms of that row of x
+    for block in tl.static_range(N_BLOCKS * NORM):
+        sums = squares[block]
+        if SLICES > 1:
+            sums = tl.sum(tl.reshape(sums, (SLICES, 32)), axis=0)
+        by_row = tl.sum(tl.reshape(sums, (8, 4)), axis=1)  # x row g of the block: its four threads' columns
+        by_row = tl.reshape(tl.broadcast_to(by_row[:, None], (8, 4)), (32, ))  # lane l: row l // 4
+        for n in tl.static_range(2):
+            inverse_rms = inverse_rms + (tl.rsqrt(tl.gather(by_row, (2 * out_t + n) * 4, 0) / (n_words * 32)
+                                                  + norm_eps), )
     for m in tl.static_range(M_TILES):
         for block in tl.static_range(N_BLOCKS):
             for i in tl.static_range(4):
                 part = acc[4 * (m * N_BLOCKS + block) + i]
                 if SLICES > 1:  # the warps' slices of K, summed through shared memory
                     part = tl.sum(tl.reshape(part, (SLICES, 32)), axis=0)
+                if NORM:
+                    part = part * inverse_rms[2 * block + i % 2]
                 row = first_row + 16 * m + out_g + 8 * (i // 2)
                 x_row = block * 8 + 2 * out_t + i % 2
                 ok = (row < n_rows) & (x_row < batch_rows)
@@ -341,11 +395,12 @@ def candidate_configs(n_words: int):
 
 
 def spmv_2of4(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, config=None, out=None,
-              residual: torch.Tensor = None) -> torch.Tensor:
+              residual: torch.Tensor = None, norm_weight: torch.Tensor = None, norm_eps: float = 0.0) -> torch.Tensor:
     """y = residual + x @ W.T on the sparse tensor cores for bf16 x of shape (batch <= 16, in) and a
-    2:4 weight packed by sparse/format.py (residual: optional, (batch, out)); config: (slices, words
-    per warp, unroll, tiles, words ahead), else the fastest of `candidate_configs` timed once per shape
-    in a CUDA graph (on CPU: the first)."""
+    2:4 weight packed by sparse/format.py (residual: optional, (batch, out); norm_weight: optional,
+    (in,): x -> RMSNorm(x) * norm_weight first, with norm_eps, as the SpMV's fused norm); config:
+    (slices, words per warp, unroll, tiles, words ahead), else the fastest of `candidate_configs`
+    timed once per shape in a CUDA graph (on CPU: the first)."""
     batch, in_features = x.shape
     n_words, n_rows = mask.shape
     if x.dtype != torch.bfloat16 or values.dtype != torch.bfloat16:
@@ -357,46 +412,56 @@ def spmv_2of4(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, config=
         raise ValueError(f"spmv_2of4 needs a 2:4 weight (16 kept values a word): values {tuple(values.shape)}")
     if residual is not None and tuple(residual.shape) != (batch, n_rows):
         raise ValueError(f"spmv_2of4: residual {tuple(residual.shape)} does not match the output ({batch}, {n_rows})")
-    if not all(t.is_contiguous() for t in (x, values, mask) + ((residual, ) if residual is not None else ())):
+    if norm_weight is not None and (tuple(norm_weight.shape) != (in_features, ) or norm_weight.dtype != torch.bfloat16):
+        raise ValueError(f"spmv_2of4: norm weight {tuple(norm_weight.shape)} {norm_weight.dtype} is not bf16 "
+                         f"({in_features},)")
+    optional = tuple(t for t in (residual, norm_weight) if t is not None)
+    if not all(t.is_contiguous() for t in (x, values, mask) + optional):
         raise ValueError("spmv_2of4 needs contiguous operands")
     y = torch.empty(batch, n_rows, dtype=x.dtype, device=x.device) if out is None else out
-    _launch(x, values, mask, y, config or spmv_2of4_tuned(x, values, mask), residual)
+    _launch(x, values, mask, y, config or spmv_2of4_tuned(x, values, mask, norm_weight, norm_eps), residual,
+            norm_weight, norm_eps)
     return y
 
 
-def _launch(x, values, mask, y, config, residual=None):
+def _launch(x, values, mask, y, config, residual=None, norm_weight=None, norm_eps=0.0):
     (batch, in_features), (n_words, n_rows) = x.shape, mask.shape
     slices, words_per_warp, unroll, tiles, ahead = config
     if not 1 <= ahead <= words_per_warp or slices * words_per_warp < n_words:
         raise ValueError(f"spmv_2of4: config {config} does not cover {n_words} words with 1 to words-per-warp "
                          "words ahead")
     _mma_sp_kernel[(triton.cdiv(n_rows, 16 * tiles), )](
-        x, values, mask, y, y if residual is None else residual, n_rows, n_words, words_per_warp, batch, in_features,
-        SLICES=slices, M_TILES=tiles, N_BLOCKS=triton.cdiv(batch, 8), EVEN_K=n_words == slices * words_per_warp,
-        UNROLL=unroll, PREFETCH=ahead, RESIDUAL=residual is not None, INTERPRETER_SAFE=INTERPRETING, num_warps=slices)
+        x, values, mask, y, y if residual is None else residual, x if norm_weight is None else norm_weight, n_rows,
+        n_words, words_per_warp, batch, in_features, norm_eps, SLICES=slices, M_TILES=tiles,
+        N_BLOCKS=triton.cdiv(batch, 8), EVEN_K=n_words == slices * words_per_warp, UNROLL=unroll, PREFETCH=ahead,
+        NORM=norm_weight is not None, RESIDUAL=residual is not None, INTERPRETER_SAFE=INTERPRETING, num_warps=slices)
 
 
-_tuned = {}  # (mask shape, rows of x, device) -> config
+_tuned = {}  # (mask shape, rows of x, norm fused, device) -> config
 
 
-def _key(x, mask):
-    return tuple(mask.shape), x.shape[0], x.device.index
+def _key(x, mask, norm=False):
+    return tuple(mask.shape), x.shape[0], norm, x.device.index
 
 
-def spmv_2of4_config(x: torch.Tensor, mask: torch.Tensor):
-    """The config spmv_2of4 tuned for this shape and batch (None before its first call)."""
-    return _tuned.get(_key(x, mask))
+def spmv_2of4_config(x: torch.Tensor, mask: torch.Tensor, norm: bool = False):
+    """The config spmv_2of4 tuned for this shape and batch, with or without the fused norm (None
+    before its first call)."""
+    return _tuned.get(_key(x, mask, norm))
 
 
-def spmv_2of4_tuned(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor):
-    """The fastest of `candidate_configs` for this shape and batch, timed once as the SpMV's tuner
-    times (kernels.fastest_in_cuda_graph: in a CUDA graph, the weight's copies rotated past the L2);
-    on CPU the first."""
+def spmv_2of4_tuned(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, norm_weight: torch.Tensor = None,
+                    norm_eps: float = 0.0):
+    """The fastest of `candidate_configs` for this shape and batch (and the fused norm, if given),
+    timed once as the SpMV's tuner times (kernels.fastest_in_cuda_graph: in a CUDA graph, the
+    weight's copies rotated past the L2); on CPU the first."""
     candidates = candidate_configs(mask.shape[0])
+    key = _key(x, mask, norm_weight is not None)
     if x.device.type != "cuda":
         return candidates[0]
-    if _key(x, mask) not in _tuned:
+    if key not in _tuned:
         y = torch.empty(x.shape[0], mask.shape[1], dtype=x.dtype, device=x.device)
-        _tuned[_key(x, mask)] = fastest_in_cuda_graph(candidates, values, mask,
-                                                      lambda config, v, m: _launch(x, v, m, y, config))
-    return _tuned[_key(x, mask)]
+        _tuned[key] = fastest_in_cuda_graph(
+            candidates, values, mask, lambda config, v, m: _launch(x, v, m, y, config, norm_weight=norm_weight,
+                                                                   norm_eps=norm_eps))
+    return _tuned[key]

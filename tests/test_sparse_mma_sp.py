@@ -71,6 +71,27 @@ def test_product_matches_float64(batch):
     assert relative_error(y, residual.double() + x.double() @ reference_weight.T) < 1e-2
 
 
+@interpreted
+@pytest.mark.parametrize("batch", [1, 3, 11])
+def test_product_with_the_norm_fused_matches_float64(batch):
+    # RMSNorm(x) * norm weight, then the product: x times the weight rounded to bf16 before the
+    # instruction, 1/rms from the squares of every x the warps loaded, applied at the end. Configs:
+    # K split over two warps with the last word past the end, two tiles, and four words ahead
+    # (one past the end).
+    seed = case_seed("mma_sp norm", batch)
+    values, mask = random_packed(40, 96, "2:4", seed, dtype=torch.bfloat16)
+    generator = torch.Generator().manual_seed(seed)
+    x = (3 * torch.randn(batch, 96, generator=generator)).to(torch.bfloat16)
+    norm_weight = (1 + 0.5 * torch.randn(96, generator=generator)).to(torch.bfloat16)
+    x64 = x.double()
+    normed = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-5) * norm_weight.double()
+    expected = normed @ unpack(values, mask).double().T
+    for config in [(2, 2, 2, 1, 2), (1, 3, 4, 2, 1), (1, 4, 4, 1, 4)]:
+        out = torch.full((batch, 40), float("nan"), dtype=torch.bfloat16)
+        y = mma_sp.spmv_2of4(x, values, mask, config=config, out=out, norm_weight=norm_weight, norm_eps=1e-5)
+        assert relative_error(y, expected) < 1e-2, config
+
+
 def test_bad_operands_are_one_clear_error():
     values, mask = random_packed(16, 64, "2:4", 0, dtype=torch.bfloat16)
     x = torch.zeros(1, 64, dtype=torch.bfloat16)
@@ -86,6 +107,8 @@ def test_bad_operands_are_one_clear_error():
         mma_sp.spmv_2of4(x, values, mask, config=(1, 1, 2, 1, 1))  # one word of two
     with pytest.raises(ValueError, match="residual"):
         mma_sp.spmv_2of4(x, values, mask, residual=torch.zeros(2, 16, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="norm weight"):
+        mma_sp.spmv_2of4(x, values, mask, norm_weight=torch.ones(32, dtype=torch.bfloat16))
     values48, mask48 = pack(torch.randn(16, 64).to(torch.bfloat16), "4:8")
     values48 = values48[:, :, :4].contiguous()  # a 1:4-like buffer shape: not 16 kept values a word
     with pytest.raises(ValueError, match="2:4 weight"):
@@ -105,4 +128,21 @@ def test_product_on_the_tensor_cores_matches_float64(out_features, in_features, 
     for config in mma_sp.candidate_configs(in_features // 32):
         out = torch.full((batch, out_features), float("nan"), device="cuda", dtype=torch.bfloat16)
         y = mma_sp.spmv_2of4(x, values, mask, config=config, out=out)
+        assert relative_error(y, expected) < 1e-2, config
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("batch", [1, 3])
+def test_product_with_the_norm_on_the_tensor_cores_matches_float64(batch):
+    # qkv's shape at the rows where a decode step fuses the norm (1-3), every candidate config.
+    values, mask = random_packed(6144, 4096, "2:4", case_seed("norm", batch), device="cuda", dtype=torch.bfloat16)
+    x = (3 * torch.randn(batch, 4096, device="cuda")).to(torch.bfloat16)
+    norm_weight = (1 + 0.3 * torch.randn(4096, device="cuda")).to(torch.bfloat16)
+    x64 = x.double()
+    normed = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-5) * norm_weight.double()
+    expected = normed @ unpack(values, mask).double().T
+    for config in mma_sp.candidate_configs(4096 // 32):
+        out = torch.full((batch, 6144), float("nan"), device="cuda", dtype=torch.bfloat16)
+        y = mma_sp.spmv_2of4(x, values, mask, config=config, out=out, norm_weight=norm_weight, norm_eps=1e-5)
         assert relative_error(y, expected) < 1e-2, config
