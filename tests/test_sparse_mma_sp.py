@@ -133,16 +133,19 @@ def test_product_on_the_tensor_cores_matches_float64(out_features, in_features, 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("out_features,in_features", [(6144, 4096), (40, 96)])
 @pytest.mark.parametrize("batch", [1, 3])
-def test_product_with_the_norm_on_the_tensor_cores_matches_float64(batch):
-    # qkv's shape at the rows where a decode step fuses the norm (1-3), every candidate config.
-    values, mask = random_packed(6144, 4096, "2:4", case_seed("norm", batch), device="cuda", dtype=torch.bfloat16)
-    x = (3 * torch.randn(batch, 4096, device="cuda")).to(torch.bfloat16)
-    norm_weight = (1 + 0.3 * torch.randn(4096, device="cuda")).to(torch.bfloat16)
+def test_product_with_the_norm_on_the_tensor_cores_matches_float64(out_features, in_features, batch):
+    # qkv's shape at the rows where a decode step fuses the norm (1-3), and a small one whose words
+    # the warps do not split evenly; every candidate config.
+    values, mask = random_packed(out_features, in_features, "2:4", case_seed("norm", batch), device="cuda",
+                                 dtype=torch.bfloat16)
+    x = (3 * torch.randn(batch, in_features, device="cuda")).to(torch.bfloat16)
+    norm_weight = (1 + 0.3 * torch.randn(in_features, device="cuda")).to(torch.bfloat16)
     x64 = x.double()
     normed = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-5) * norm_weight.double()
     expected = normed @ unpack(values, mask).double().T
-    for config in mma_sp.candidate_configs(4096 // 32):
-        out = torch.full((batch, 6144), float("nan"), device="cuda", dtype=torch.bfloat16)
+    for config in mma_sp.candidate_configs(in_features // 32):
+        out = torch.full((batch, out_features), float("nan"), device="cuda", dtype=torch.bfloat16)
         y = mma_sp.spmv_2of4(x, values, mask, config=config, out=out, norm_weight=norm_weight, norm_eps=1e-5)
         assert relative_error(y, expected) < 1e-2, config
