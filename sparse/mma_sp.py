@@ -11,7 +11,9 @@ mask words, four 4-byte loads of x (L1 hits) and ~25 integer instructions that t
 words into the instruction's metadata: 6.1 thread instructions per kept weight at 1-8 rows in
 the sm_90a machine code (7.5 at 16: two instructions, x loaded twice; tests/test_kernel_sass.py).
 2:4 only: the tensor cores take exactly two kept values in every aligned group of four columns,
-which 4:8 and wider patterns do not promise.
+which 4:8 and wider patterns do not promise. As the SpMV, it can take the RMSNorm before the
+product (x times the norm weight, rounded to bf16, before the instruction; 1/rms, from the squares
+of the x it loaded, applied to the output) and a residual after it; not silu(gate) * up.
 
 The instruction's fragments (PTX ISA, "Matrix Fragments for sparse mma.m16n8k32 with .f16 and
 .bf16 types"), for thread (g, t) = (lane // 4, lane % 4) of a warp:
