@@ -41,7 +41,8 @@
 #   kernel_table_tc bench_kernel.py at batch 1, 4, 8, 16 without torch's 2:4: the issue-3 table with the sparse
 #                   tensor-core column beside the SpMV/SpMM (2026-12-04: 357 s with 20 tensor-core candidates a
 #                   shape; with 40 now, run it in halves:)
-#   kernel_table_tc_b14, kernel_table_tc_b816  the same at batch 1 and 4, and at 8 and 16 (~4-5 each)
+#   kernel_table_tc_b1, kernel_table_tc_b4, kernel_table_tc_b816  the same at batch 1 (with the tensor cores'
+#                   fused norm/residual column), 4, and 8 and 16 (~4, ~3, ~6)
 #   tuner_gpu_tests  pytest -m gpu over test_generate.py's device-clock tuning tests only: a compile with
 #                   Inductor's tuner on the profiler's kernel times, before any decode job relies on it (~1)
 #   attention_gpu_tests  pytest -m gpu over the decode attention, SparseLinear (the measured SpMV/SpMM
@@ -172,7 +173,8 @@ declare -A JOBS=(
   [mma_sp_gpu_tests]="python3 scripts/mma_sp_layout_probe.py; $PYTEST_GPU tests/test_mma_sp_layout_probe.py tests/test_sparse_mma_sp.py"
   [tc_route_gpu_tests]="$PYTEST_GPU tests/test_sparse_linear.py -k 'tensor_core or hardware'"
   [kernel_table_tc]="python3 scripts/bench_kernel.py --batches 1,4,8,16 --no-semi --out-md \$JOB/table.md --out-json \$JOB/bench.json"
-  [kernel_table_tc_b14]="python3 scripts/bench_kernel.py --batches 1,4 --no-semi --out-md \$JOB/table.md --out-json \$JOB/bench.json"
+  [kernel_table_tc_b1]="python3 scripts/bench_kernel.py --batches 1 --no-semi --out-md \$JOB/table.md --out-json \$JOB/bench.json"
+  [kernel_table_tc_b4]="python3 scripts/bench_kernel.py --batches 4 --no-semi --out-md \$JOB/table.md --out-json \$JOB/bench.json"
   [kernel_table_tc_b816]="python3 scripts/bench_kernel.py --batches 8,16 --no-semi --out-md \$JOB/table.md --out-json \$JOB/bench.json"
   [tuner_gpu_tests]="$PYTEST_GPU tests/test_generate.py -k device_clock"
   [attention_gpu_tests]="$PYTEST_GPU tests/test_decode_attention.py tests/test_sparse_linear.py tests/test_generate.py"
