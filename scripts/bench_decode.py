@@ -263,7 +263,7 @@ def measured_routes(batch_size: int) -> dict:
     size where the route was measured (sparse.linear.MEASURED_ROUTE)."""
     from sparse import linear
     return {f"{key.out_features}x{32 * key.in_words}{' 2:4' if key.two_of_four else ''}"
-            f"{' +residual' if key.residual else ''}{' +norm' if key.norm else ''}": kernel
+            f"{' +residual' if key.residual else ''}{' +' + key.prologue if key.prologue else ''}": kernel
             for key, kernel in linear._routes.items() if key.rows == batch_size}
 
 

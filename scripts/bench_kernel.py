@@ -72,7 +72,7 @@ def has_prologue(layer: str) -> bool:
 def fused_sparse_call(layer: str, batch: int, values, mask, pack_x=None, tensor_cores=False):
     """The SpMV as a decode step runs it for this layer, with its inputs and the config tuned for
     this fusion (kernels.spmv_config); pack_x as kernels.spmv takes it. tensor_cores: the sparse
-    tensor cores' product with the same fusion instead (2:4, not w2: they take no silu·mul)."""
+    tensor cores' product with the same fusion instead (2:4)."""
     n_words, n_rows = mask.shape
     fusion = DECODE_FUSION[layer]
     device, dtype = values.device, values.dtype
@@ -83,7 +83,7 @@ def fused_sparse_call(layer: str, batch: int, values, mask, pack_x=None, tensor_
     if fusion.get("residual"):
         options["residual"] = torch.randn(batch, n_rows, device=device, dtype=dtype)
     if tensor_cores:
-        del options["gated"], options["pack_x"]
+        del options["pack_x"]
         return lambda: mma_sp.spmv_2of4(x, values, mask, **options)
     return lambda: kernels.spmv(x, values, mask, **options)
 
@@ -281,7 +281,7 @@ def bench_shape(out_features, in_features, batch, pattern, with_semi=True, layer
     if pattern == "2:4" and batch <= mma_sp.MAX_ROWS:  # the same weights on the sparse tensor cores
         mma_sp.spmv_2of4_tuned(x, values, mask)  # its config for this shape, tuned outside the timing
         tensor_core_us = kernels.time_in_cuda_graph([lambda v=v, m=m: mma_sp.spmv_2of4(x, v, m) for v, m in packed])
-        if fused_us is not None and decode_call is fused_sparse_call and not DECODE_FUSION[layer].get("gated"):
+        if fused_us is not None and decode_call is fused_sparse_call:
             calls = [fused_sparse_call(layer, batch, v, m, tensor_cores=True) for v, m in packed]
             calls[0]()  # tunes its config for this fusion, outside the timing
             tensor_core_fused_us = kernels.time_in_cuda_graph(calls)
@@ -296,8 +296,9 @@ def bench_shape(out_features, in_features, batch, pattern, with_semi=True, layer
     if tensor_core_us is not None:
         row.update(tensor_core_us=tensor_core_us, tensor_core_speedup=dense_us / tensor_core_us,
                    tensor_core_config=mma_sp.spmv_2of4_config(x, mask), tensor_core_fused_us=tensor_core_fused_us)
-        if tensor_core_fused_us is not None and DECODE_FUSION[layer].get("norm"):
-            row["tensor_core_fused_config"] = mma_sp.spmv_2of4_config(x, mask, norm=True)
+        if tensor_core_fused_us is not None and has_prologue(layer):
+            row["tensor_core_fused_config"] = mma_sp.spmv_2of4_config(
+                x, mask, "norm" if DECODE_FUSION[layer].get("norm") else "gated")
     if batch <= kernels.MAX_SPMV_BATCH:  # the configs the tuner picked (already timed: no tuning here)
         row["config"] = kernels.spmv_config(x, values, mask, kernels.packs_x(x))
         if fused_us is not None and decode_call is fused_sparse_call:
@@ -437,8 +438,7 @@ def markdown_table(rows: list) -> str:
              "decode step gives it (RMSNorm before qkv/w13, silu·mul before w2, residual after o/w2; from "
              f"{PROLOGUE_APART_MIN_ROWS} rows the prologue as its own Inductor kernel before the SpMV, as the step runs it); "
              "sparse TC: the same 2:4 weights on the sparse tensor cores (sparse/mma_sp.py, no fusions), x cuBLAS; "
-             "TC fused µs: the same with the norm or the residual fused where the SpMV's fused µs has them "
-             "(not w2's silu·mul).", "",
+             "TC fused µs: the same with the fusions of the SpMV's fused µs.", "",
              "| model | layer | out×in | batch | sparse µs | GB/s | floor µs | cuBLAS µs | speedup | fused µs | torch 2:4 µs | vs 2:4 "
              "| sparse TC µs (x cuBLAS) | TC fused µs |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -142,21 +142,21 @@ def compile_spmm(two_of_four: bool, block_out: int = 128, words: int = 2, num_wa
 
 
 def compile_mma_sp(batch: int, slices: int = 4, unroll: int = 2, tiles: int = 1, ahead: int = 1,
-                   norm: bool = False) -> dict:
+                   norm: bool = False, gated: bool = False) -> dict:
     """sparse/mma_sp.py's kernel for sm_90a (bf16 x of `batch` rows, 2:4): registers, spills, the word
     loop's instructions and those per kept weight (a warp's word: 16 rows x 16 kept values a tile),
     the loads a word, and how many words after its load each weight register is first read
     (`words_to_first_use`: min and max over the loop's weight loads, the streamed `ld.global.cg`,
     LDG...STRONG.GPU in SASS); the word loop unrolled `unroll` times, `tiles` 16-row tiles a warp,
     `ahead` words' loads in flight; `norm`: the RMSNorm fused (x times the norm weight before the
-    instruction, its squares summed)."""
+    instruction, its squares summed); `gated`: silu(gate) * up fused."""
     sys.path.insert(0, str(ROOT))
     from sparse import mma_sp
     pointers = dict(x_ptr="*bf16", values_ptr="*bf16", mask_ptr="*i32", y_ptr="*bf16", residual_ptr="*bf16",
                     norm_ptr="*bf16")
     constants = dict(SLICES=slices, M_TILES=tiles, N_BLOCKS=triton.cdiv(batch, 8), EVEN_K=True, UNROLL=unroll,
-                     PREFETCH=ahead, NORM=norm, RESIDUAL=False, INTERPRETER_SAFE=False)
-    for name in ("PREFETCH", "NORM", "norm_ptr"):  # before session 24: one word ahead, no norm
+                     PREFETCH=ahead, NORM=norm, GATED=gated, RESIDUAL=False, INTERPRETER_SAFE=False)
+    for name in ("PREFETCH", "NORM", "GATED", "norm_ptr"):  # before session 24: one word ahead, no prologue
         if name not in mma_sp._mma_sp_kernel.arg_names:
             constants.pop(name, None)
             pointers.pop(name, None)

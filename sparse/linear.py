@@ -5,8 +5,8 @@ Dispatch of `sparse_matmul` by where it runs and how many rows x has:
   or from spmm_min_rows rows on the tensor-core SpMM (spmm.spmm, which expands weight tiles in
   registers for tl.dot), from 8 rows on CUDA whichever of the two was measured faster for the
   shape (MEASURED_ROUTE), and with TENSOR_CORE_2OF4 a 2:4 bf16 weight's matmul at any row count,
-  plain, with a residual to add or with the RMSNorm fused, also races the sparse tensor cores
-  (mma_sp.spmv_2of4); a fused silu(gate) * up always takes the SpMV; more rows (prefill) -> the SpMM if
+  plain or with a residual and/or a prologue (RMSNorm or silu(gate) * up) fused, also races the
+  sparse tensor cores (mma_sp.spmv_2of4); more rows (prefill) -> the SpMM if
   SPMM_PREFILL, else expand the weight to dense with a Triton kernel and call cuBLAS (whole, or in
   PREFILL_SLICES slices that overlap the next slice's expansion with this one's GEMM). The
   switches below say why they are set as they are.
@@ -50,12 +50,12 @@ MEASURED_ROUTE = True
 MEASURED_ROUTE_MIN_ROWS = 8
 # The 2:4 product on the sparse tensor cores (sparse/mma_sp.py: 6.1 instructions per kept weight at
 # 1-8 rows in its machine code, against the SpMV's 8.6 at 1 and ~27 at 8) joins that race, at any
-# row count, for bf16 matmuls with a 2:4 weight and nothing fused but a residual or the RMSNorm: in
-# a decode step all four layers from 4 rows (qkv and w13 plain, their norm apart; o and w2 with the
-# residual), and at 1-3 rows all but w2 (qkv and w13 with the norm fused, o with the residual; w2's
-# silu(gate) * up stays in the SpMV). On the H200 (session 24, before the norm was fused in it) it
-# won w13 at 4 rows and every layer at 8: Llama-3.1-8B's 2:4 step 3.734 -> 3.558 ms at batch 4 and
-# 4.812 (session 21) -> 3.839 at batch 8 (docs/BENCHMARKS.md session 24).
+# row count, for bf16 matmuls with a 2:4 weight, with whatever the SpMV would fuse (a residual, the
+# RMSNorm, silu(gate) * up): in a decode step all four layers at any batch (from 4 rows qkv and w13
+# plain, their norm apart, o and w2 with the residual; at 1-3 rows with their prologues fused). On
+# the H200 (session 24, before the prologues were fused in it) it won w13 at 4 rows and every layer
+# at 8: Llama-3.1-8B's 2:4 step 3.734 -> 3.558 ms at batch 4 and 4.812 (session 21) -> 3.839 at
+# batch 8 (docs/BENCHMARKS.md session 24).
 TENSOR_CORE_2OF4 = True
 # Prefill expands the weight in this many slices of rows, on a second CUDA stream, each slice's
 # cuBLAS GEMM overlapping the next slice's expansion (`prefill_matmul`): the expansion is DRAM-bound
@@ -84,13 +84,12 @@ def _bitmask_matmul(x: Tensor, values: Tensor, mask: Tensor, norm_weight: Option
                     norm_eps: float = 0.0, residual: Optional[Tensor] = None, gated: bool = False,
                     two_of_four: bool = False) -> Tensor:
     rows = x.shape[0]
-    if gated:  # silu(gate) * up fused: the SpMV only
-        return kernels.spmv(x, values, mask, norm_weight=norm_weight, norm_eps=norm_eps, residual=residual,
-                            gated=gated)
-    norm = {} if norm_weight is None else dict(norm_weight=norm_weight, norm_eps=norm_eps)
-    if rows <= kernels.MAX_SPMV_BATCH or residual is not None or norm:
-        route = decode_route(x, values, mask, two_of_four, residual, norm)
-        return DECODE_KERNELS[route](x, values, mask, two_of_four, residual, norm)
+    prologue = dict(gated=True) if gated else {}
+    if norm_weight is not None:
+        prologue.update(norm_weight=norm_weight, norm_eps=norm_eps)
+    if rows <= kernels.MAX_SPMV_BATCH or residual is not None or prologue:
+        route = decode_route(x, values, mask, two_of_four, residual, prologue)
+        return DECODE_KERNELS[route](x, values, mask, two_of_four, residual, prologue)
     if SPMM_PREFILL:
         return spmm.spmm(x, values, mask, two_of_four=two_of_four)
     return prefill_matmul(x, values, mask, PREFILL_SLICES)
@@ -144,40 +143,43 @@ def spmm_min_rows(two_of_four: bool) -> int:
     return SPMM_MIN_ROWS_2OF4 if two_of_four else SPMM_MIN_ROWS
 
 
-# The kernels a decode matmul of 1-16 rows with at most a residual and the RMSNorm fused can take,
-# by `decode_route`'s name (the SpMM takes neither; norm: {} or the norm_weight and norm_eps).
+# The kernels a decode matmul of 1-16 rows with at most a residual and a prologue fused can take,
+# by `decode_route`'s name (prologue: {}, the norm_weight and norm_eps, or gated=True; the SpMM
+# takes neither a prologue nor a residual).
 DECODE_KERNELS = {
-    "spmv": lambda x, values, mask, two_of_four, residual, norm: kernels.spmv(x, values, mask, residual=residual,
-                                                                              **norm),
-    "spmm": lambda x, values, mask, two_of_four, residual, norm: spmm.spmm(x, values, mask, two_of_four=two_of_four),
-    "mma_sp": lambda x, values, mask, two_of_four, residual, norm: mma_sp.spmv_2of4(x, values, mask,
-                                                                                    residual=residual, **norm),
+    "spmv": lambda x, values, mask, two_of_four, residual, prologue: kernels.spmv(x, values, mask, residual=residual,
+                                                                                  **prologue),
+    "spmm": lambda x, values, mask, two_of_four, residual, prologue: spmm.spmm(x, values, mask,
+                                                                               two_of_four=two_of_four),
+    "mma_sp": lambda x, values, mask, two_of_four, residual, prologue: mma_sp.spmv_2of4(x, values, mask,
+                                                                                        residual=residual, **prologue),
 }
-RouteKey = namedtuple("RouteKey", "out_features in_words rows dtype two_of_four tensor_cores residual norm device")
+RouteKey = namedtuple("RouteKey", "out_features in_words rows dtype two_of_four tensor_cores residual prologue device")
 _routes = {}  # RouteKey -> a DECODE_KERNELS name
 
 
 def decode_route(x: Tensor, values: Tensor, mask: Tensor, two_of_four: bool, residual: Tensor = None,
-                 norm: dict = None) -> str:
-    """The DECODE_KERNELS name for a matmul of x's 1-16 rows, plain, with a residual to add or with
-    the RMSNorm before it (norm: norm_weight and norm_eps); see MEASURED_ROUTE and TENSOR_CORE_2OF4."""
-    rows, norm = x.shape[0], norm or {}
-    fused = residual is not None or bool(norm)
+                 prologue: dict = None) -> str:
+    """The DECODE_KERNELS name for a matmul of x's 1-16 rows, plain, with a residual to add and/or a
+    prologue (norm_weight and norm_eps, or gated=True); see MEASURED_ROUTE and TENSOR_CORE_2OF4."""
+    rows, prologue = x.shape[0], prologue or {}
+    fused = residual is not None or bool(prologue)
     by_threshold = "spmv" if rows < spmm_min_rows(two_of_four) or fused else "spmm"
-    tensor_cores = TENSOR_CORE_2OF4 and two_of_four and x.dtype == values.dtype == torch.bfloat16
+    tensor_cores = (TENSOR_CORE_2OF4 and two_of_four and x.dtype == values.dtype == torch.bfloat16
+                    and rows <= mma_sp.MAX_ROWS)
     spmm_races = rows >= MEASURED_ROUTE_MIN_ROWS and not fused
     if not (MEASURED_ROUTE and (spmm_races or tensor_cores) and can_time_in_cuda_graph(x)):
         return by_threshold
     key = RouteKey(mask.shape[1], mask.shape[0], rows, values.dtype, two_of_four, tensor_cores, residual is not None,
-                   bool(norm), x.device)
+                   "gated" if prologue.get("gated") else "norm" if prologue else "", x.device)
     if key not in _routes:
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
             return by_threshold  # cannot time inside a capture; warm up first to get the measured one
         names = ["spmv"] + ["spmm"] * spmm_races + ["mma_sp"] * tensor_cores
         for name in names:  # each tunes its own config first, outside the race
-            DECODE_KERNELS[name](x, values, mask, two_of_four, residual, norm)
+            DECODE_KERNELS[name](x, values, mask, two_of_four, residual, prologue)
         _routes[key] = kernels.fastest_in_cuda_graph(
-            names, values, mask, lambda name, v, m: DECODE_KERNELS[name](x, v, m, two_of_four, residual, norm))
+            names, values, mask, lambda name, v, m: DECODE_KERNELS[name](x, v, m, two_of_four, residual, prologue))
     return _routes[key]
 
 

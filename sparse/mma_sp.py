@@ -11,9 +11,10 @@ mask words, four 4-byte loads of x (L1 hits) and ~25 integer instructions that t
 words into the instruction's metadata: 6.1 thread instructions per kept weight at 1-8 rows in
 the sm_90a machine code (7.5 at 16: two instructions, x loaded twice; tests/test_kernel_sass.py).
 2:4 only: the tensor cores take exactly two kept values in every aligned group of four columns,
-which 4:8 and wider patterns do not promise. As the SpMV, it can take the RMSNorm before the
-product (x times the norm weight, rounded to bf16, before the instruction; 1/rms, from the squares
-of the x it loaded, applied to the output) and a residual after it; not silu(gate) * up.
+which 4:8 and wider patterns do not promise. As the SpMV, it can take a prologue, the RMSNorm
+(x times the norm weight, rounded to bf16, before the instruction; 1/rms, from the squares of the
+x it loaded, applied to the output) or silu(gate) * up (x = [gate | up], rounded to bf16), and a
+residual after the product.
 
 The instruction's fragments (PTX ISA, "Matrix Fragments for sparse mma.m16n8k32 with .f16 and
 .bf16 types"), for thread (g, t) = (lane // 4, lane % 4) of a warp:
@@ -39,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .kernels import INTERPRETING, _bf16_bits, _load_u32, fastest_in_cuda_graph
+from .kernels import INTERPRETING, _bf16_bits, _load_u32, _silu, fastest_in_cuda_graph
 
 MAX_ROWS = 16  # two m16n8k32 instructions per tile and word
 
@@ -163,11 +164,12 @@ def _mma_sp(a, b, c, e, INTERPRETER_SAFE: tl.constexpr):
 
 
 @triton.jit
-def _word_pointers(values_u32, mask_u32, x_u32, norm_u32, k, rows, t, x_rows, n_rows, x_stride_u32,
-                   M_TILES: tl.constexpr, N_BLOCKS: tl.constexpr, NORM: tl.constexpr):
+def _word_pointers(values_u32, mask_u32, x_u32, norm_u32, k, rows, t, x_rows, n_rows, n_words, x_stride_u32,
+                   M_TILES: tl.constexpr, N_BLOCKS: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr):
     """Where the thread's loads of word k start: ((per 16-row tile: its values in rows g and g + 8,
-    their mask words), x at B register 0 of each block of 8 x rows, then with NORM the norm weight
-    at the same columns); `rows`: rows g and g + 8 of each tile.
+    their mask words), (x's sources: x at B register 0 of each block of 8 x rows; with GATED those
+    are the gate's columns and the up half's follow, block by block; with NORM the norm weight at
+    the same columns last)); `rows`: rows g and g + 8 of each tile.
 
     The instruction's K order is a permutation of the word's columns, chosen so that a thread's A
     registers are four consecutive kept values of a row (one 8-byte load a row instead of two
@@ -183,20 +185,23 @@ def _word_pointers(values_u32, mask_u32, x_u32, norm_u32, k, rows, t, x_rows, n_
         weights = weights + (values_u32 + first + rows[2 * m] * 4, values_u32 + first + rows[2 * m + 1] * 4,
                              mask_u32 + k * n_rows + rows[2 * m], mask_u32 + k * n_rows + rows[2 * m + 1])
     x_pointers = ()
-    for block in tl.static_range(N_BLOCKS + NORM):
-        row = x_u32 + x_rows[block] * x_stride_u32 if block < N_BLOCKS else norm_u32
+    for source in tl.static_range(N_BLOCKS * (1 + GATED) + NORM):
+        if source < N_BLOCKS * (1 + GATED):  # a block of x rows (with GATED, the up half: n_words * 16 uint32 on)
+            row = x_u32 + x_rows[source % N_BLOCKS] * x_stride_u32 + (source // N_BLOCKS) * n_words * 16
+        else:
+            row = norm_u32
         x_pointers = x_pointers + (row + k * 16 + 4 * (t // 2) + t % 2, )
     return weights, x_pointers
 
 
 @triton.jit
-def _load_word(pointers, valid, M_TILES: tl.constexpr, N_BLOCKS: tl.constexpr, NORM: tl.constexpr,
-               EVEN_K: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
+def _load_word(pointers, valid, M_TILES: tl.constexpr, SOURCES: tl.constexpr, EVEN_K: tl.constexpr,
+               INTERPRETER_SAFE: tl.constexpr):
     """The fragments at `pointers` (`_word_pointers`): (a of each tile, its two mask words of rows g
-    and g + 8 as loaded, b of each block of 8 x rows, then with NORM the norm weight's four pairs
-    at b's columns). The mask words become metadata, and x times the norm weight b, only when the
-    word is multiplied (`_multiply`), so that a load a few words ahead waits nowhere before then.
-    Unless EVEN_K, x is zeroed where not `valid` (a word past the end, read at the last word)."""
+    and g + 8 as loaded, four bf16 pairs of each of x's SOURCES). The mask words become metadata,
+    and the sources b, only when the word is multiplied (`_multiply`), so that a load a few words
+    ahead waits nowhere before then. Unless EVEN_K, the sources are zeroed where not `valid` (a word
+    past the end, read at the last word)."""
     weights, x_pointers = pointers
     a = ()
     masks = ()
@@ -207,15 +212,15 @@ def _load_word(pointers, valid, M_TILES: tl.constexpr, N_BLOCKS: tl.constexpr, N
         masks = masks + (_load_u32(weights[4 * m + 2], 1, INTERPRETER_SAFE)[0],
                          _load_u32(weights[4 * m + 3], 1, INTERPRETER_SAFE)[0])
     b = ()
-    for block in tl.static_range(N_BLOCKS + NORM):
+    for source in tl.static_range(SOURCES):
         for j in tl.static_range(4):
-            pair = _load_x_pair(x_pointers[block] + 8 * (j % 2) + 2 * (j // 2), INTERPRETER_SAFE)
+            pair = _load_x_pair(x_pointers[source] + 8 * (j % 2) + 2 * (j // 2), INTERPRETER_SAFE)
             b = b + (pair if EVEN_K else tl.where(valid, pair, 0), )
     return a, masks, b
 
 
 @triton.jit
-def _advance(pointers, n_rows, M_TILES: tl.constexpr, N_BLOCKS: tl.constexpr, NORM: tl.constexpr):
+def _advance(pointers, n_rows, M_TILES: tl.constexpr, SOURCES: tl.constexpr):
     """`_word_pointers` of the next word."""
     weights, x_pointers = pointers
     step = 8 * n_rows  # uint32 of values a word: two chunks of 4 per row
@@ -224,8 +229,8 @@ def _advance(pointers, n_rows, M_TILES: tl.constexpr, N_BLOCKS: tl.constexpr, NO
         next_weights = next_weights + (weights[4 * m] + step, weights[4 * m + 1] + step, weights[4 * m + 2] + n_rows,
                                        weights[4 * m + 3] + n_rows)
     next_x = ()
-    for block in tl.static_range(N_BLOCKS + NORM):
-        next_x = next_x + (x_pointers[block] + 16, )
+    for source in tl.static_range(SOURCES):
+        next_x = next_x + (x_pointers[source] + 16, )
     return next_weights, next_x
 
 
@@ -260,13 +265,33 @@ def _normed_x(b, squares, N_BLOCKS: tl.constexpr, INTERPRETER_SAFE: tl.constexpr
 
 
 @triton.jit
+def _gated_x(b, N_BLOCKS: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
+    """b (the gate's pairs of each block, then the up half's) -> silu(gate) * up as bf16 pairs."""
+    gated = ()
+    for i in tl.static_range(4 * N_BLOCKS):
+        gate, up = b[i], b[4 * N_BLOCKS + i]
+        low = _silu(_half(gate, False), INTERPRETER_SAFE) * _half(up, False)
+        high = _silu(_half(gate, True), INTERPRETER_SAFE) * _half(up, True)
+        if INTERPRETER_SAFE:
+            pair = _bf16_bits(low.to(tl.uint32, bitcast=True)) | (_bf16_bits(high.to(tl.uint32, bitcast=True)) << 16)
+        else:
+            pair = tl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,f,f", [low, high], dtype=tl.uint32,
+                                             is_pure=True, pack=1)
+        gated = gated + (pair, )
+    return gated
+
+
+@triton.jit
 def _multiply(acc, squares, word, t, M_TILES: tl.constexpr, N_BLOCKS: tl.constexpr, NORM: tl.constexpr,
-              INTERPRETER_SAFE: tl.constexpr):
+              GATED: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
     """One instruction per tile and block of 8 x rows for a `_load_word` word; acc holds 4 float32
-    per (tile, block); with NORM, x times the norm weight first, and its squares added up."""
+    per (tile, block); first, with NORM, x times the norm weight, and its squares added up; with
+    GATED, silu(gate) * up."""
     a, masks, b = word
     if NORM:
         b, squares = _normed_x(b, squares, N_BLOCKS, INTERPRETER_SAFE)
+    if GATED:
+        b = _gated_x(b, N_BLOCKS, INTERPRETER_SAFE)
     for m in tl.static_range(M_TILES):
         e = _thread_metadata(masks[2 * m], masks[2 * m + 1], t % 2 == 1, INTERPRETER_SAFE)
         for block in tl.static_range(N_BLOCKS):
@@ -280,14 +305,14 @@ def _multiply(acc, squares, word, t, M_TILES: tl.constexpr, N_BLOCKS: tl.constex
 @triton.jit
 def _next_pointers(pointers, values_u32, mask_u32, x_u32, norm_u32, k, rows, t, x_rows, n_rows, n_words,
                    x_stride_u32, M_TILES: tl.constexpr, N_BLOCKS: tl.constexpr, NORM: tl.constexpr,
-                   EVEN_K: tl.constexpr):
+                   GATED: tl.constexpr, EVEN_K: tl.constexpr):
     """`_word_pointers` of word k, the word after `pointers`': with EVEN_K a constant step, otherwise
     found again, clamped to the last word (the words past the end are read there, x zeroed)."""
     if EVEN_K:
-        pointers = _advance(pointers, n_rows, M_TILES, N_BLOCKS, NORM)
+        pointers = _advance(pointers, n_rows, M_TILES, N_BLOCKS * (1 + GATED) + NORM)
     else:
         pointers = _word_pointers(values_u32, mask_u32, x_u32, norm_u32, tl.minimum(k, n_words - 1), rows, t, x_rows,
-                                  n_rows, x_stride_u32, M_TILES, N_BLOCKS, NORM)
+                                  n_rows, n_words, x_stride_u32, M_TILES, N_BLOCKS, NORM, GATED)
     return pointers
 
 
@@ -295,10 +320,11 @@ def _next_pointers(pointers, values_u32, mask_u32, x_u32, norm_u32, k, rows, t, 
 def _mma_sp_kernel(x_ptr, values_ptr, mask_ptr, y_ptr, residual_ptr, norm_ptr, n_rows, n_words, words_per_warp,
                    batch_rows, x_stride, norm_eps, SLICES: tl.constexpr, M_TILES: tl.constexpr,
                    N_BLOCKS: tl.constexpr, EVEN_K: tl.constexpr, UNROLL: tl.constexpr, PREFETCH: tl.constexpr,
-                   NORM: tl.constexpr, RESIDUAL: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
+                   NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
     """y[:batch_rows, M_TILES 16-row tiles] of this program (+ the residual's, with RESIDUAL; of
-    RMSNorm(x) * the norm weight, with NORM); SLICES warps, warp s walking words_per_warp words from
-    s · words_per_warp for every tile (x's loads shared by the tiles), summed through shared memory."""
+    RMSNorm(x) * the norm weight, with NORM; of silu(gate) * up for x = [gate | up], with GATED);
+    SLICES warps, warp s walking words_per_warp words from s · words_per_warp for every tile (x's
+    loads shared by the tiles), summed through shared memory."""
     THREADS: tl.constexpr = 32 * SLICES
     thread = tl.arange(0, THREADS)
     lane = thread % 32
@@ -327,23 +353,23 @@ def _mma_sp_kernel(x_ptr, values_ptr, mask_ptr, y_ptr, residual_ptr, norm_ptr, n
     # warp has PREFETCH words' loads in flight (a warp walks its words one after another; with one
     # word ahead, a warp's time was about its words x the memory latency, session 24).
     x_stride_u32 = x_stride // 2
+    SOURCES: tl.constexpr = N_BLOCKS * (1 + GATED) + NORM
     pointers = _word_pointers(values_u32, mask_u32, x_u32, norm_u32,
                               k_first if EVEN_K else tl.minimum(k_first, n_words - 1), rows, t, x_rows, n_rows,
-                              x_stride_u32, M_TILES, N_BLOCKS, NORM)
+                              n_words, x_stride_u32, M_TILES, N_BLOCKS, NORM, GATED)
     ahead = ()
     for d in tl.static_range(PREFETCH):
-        ahead = ahead + (_load_word(pointers, k_first + d < n_words, M_TILES, N_BLOCKS, NORM, EVEN_K,
-                                    INTERPRETER_SAFE), )
+        ahead = ahead + (_load_word(pointers, k_first + d < n_words, M_TILES, SOURCES, EVEN_K, INTERPRETER_SAFE), )
         pointers = _next_pointers(pointers, values_u32, mask_u32, x_u32, norm_u32, k_first + d + 1, rows, t, x_rows,
-                                  n_rows, n_words, x_stride_u32, M_TILES, N_BLOCKS, NORM, EVEN_K)
+                                  n_rows, n_words, x_stride_u32, M_TILES, N_BLOCKS, NORM, GATED, EVEN_K)
     for i in tl.range(PREFETCH, words_per_warp, loop_unroll_factor=UNROLL):
-        fresh = _load_word(pointers, k_first + i < n_words, M_TILES, N_BLOCKS, NORM, EVEN_K, INTERPRETER_SAFE)
+        fresh = _load_word(pointers, k_first + i < n_words, M_TILES, SOURCES, EVEN_K, INTERPRETER_SAFE)
         pointers = _next_pointers(pointers, values_u32, mask_u32, x_u32, norm_u32, k_first + i + 1, rows, t, x_rows,
-                                  n_rows, n_words, x_stride_u32, M_TILES, N_BLOCKS, NORM, EVEN_K)
-        acc, squares = _multiply(acc, squares, ahead[0], t, M_TILES, N_BLOCKS, NORM, INTERPRETER_SAFE)
+                                  n_rows, n_words, x_stride_u32, M_TILES, N_BLOCKS, NORM, GATED, EVEN_K)
+        acc, squares = _multiply(acc, squares, ahead[0], t, M_TILES, N_BLOCKS, NORM, GATED, INTERPRETER_SAFE)
         ahead = ahead[1:] + (fresh, )
     for d in tl.static_range(PREFETCH):
-        acc, squares = _multiply(acc, squares, ahead[d], t, M_TILES, N_BLOCKS, NORM, INTERPRETER_SAFE)
+        acc, squares = _multiply(acc, squares, ahead[d], t, M_TILES, N_BLOCKS, NORM, GATED, INTERPRETER_SAFE)
 
     # d0, d1: row g with x rows 2t, 2t + 1; d2, d3: row g + 8 with the same x rows (per tile and block)
     out_lane = tl.arange(0, 32)
@@ -397,19 +423,24 @@ def candidate_configs(n_words: int):
 
 
 def spmv_2of4(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, config=None, out=None,
-              residual: torch.Tensor = None, norm_weight: torch.Tensor = None, norm_eps: float = 0.0) -> torch.Tensor:
+              residual: torch.Tensor = None, norm_weight: torch.Tensor = None, norm_eps: float = 0.0,
+              gated: bool = False) -> torch.Tensor:
     """y = residual + x @ W.T on the sparse tensor cores for bf16 x of shape (batch <= 16, in) and a
-    2:4 weight packed by sparse/format.py (residual: optional, (batch, out); norm_weight: optional,
-    (in,): x -> RMSNorm(x) * norm_weight first, with norm_eps, as the SpMV's fused norm); config:
-    (slices, words per warp, unroll, tiles, words ahead), else the fastest of `candidate_configs`
-    timed once per shape in a CUDA graph (on CPU: the first)."""
-    batch, in_features = x.shape
+    2:4 weight packed by sparse/format.py (residual: optional, (batch, out)), with at most one
+    prologue, as the SpMV's: norm_weight (in,): x -> RMSNorm(x) * norm_weight, with norm_eps; gated:
+    x is (batch, 2 * in) = [gate | up] -> silu(gate) * up. config: (slices, words per warp, unroll,
+    tiles, words ahead), else the fastest of `candidate_configs` timed once per shape in a CUDA
+    graph (on CPU: the first)."""
+    batch, x_width = x.shape
     n_words, n_rows = mask.shape
+    in_features = x_width // 2 if gated else x_width
     if x.dtype != torch.bfloat16 or values.dtype != torch.bfloat16:
         raise ValueError(f"spmv_2of4 takes bf16 x and values, got {x.dtype} and {values.dtype}")
-    if in_features != n_words * 32 or not 1 <= batch <= MAX_ROWS:
+    if x_width != n_words * 32 * (1 + gated) or not 1 <= batch <= MAX_ROWS:
         raise ValueError(f"spmv_2of4: x {tuple(x.shape)} does not fit a packed weight with in_features="
-                         f"{n_words * 32} (1 to {MAX_ROWS} rows)")
+                         f"{n_words * 32}{' (gated: twice that)' if gated else ''} (1 to {MAX_ROWS} rows)")
+    if gated and norm_weight is not None:
+        raise ValueError("spmv_2of4 takes one prologue: the norm or gated, not both")
     if tuple(values.shape) != (2 * n_words, n_rows, 8):
         raise ValueError(f"spmv_2of4 needs a 2:4 weight (16 kept values a word): values {tuple(values.shape)}")
     if residual is not None and tuple(residual.shape) != (batch, n_rows):
@@ -421,49 +452,50 @@ def spmv_2of4(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, config=
     if not all(t.is_contiguous() for t in (x, values, mask) + optional):
         raise ValueError("spmv_2of4 needs contiguous operands")
     y = torch.empty(batch, n_rows, dtype=x.dtype, device=x.device) if out is None else out
-    _launch(x, values, mask, y, config or spmv_2of4_tuned(x, values, mask, norm_weight, norm_eps), residual,
-            norm_weight, norm_eps)
+    _launch(x, values, mask, y, config or spmv_2of4_tuned(x, values, mask, norm_weight, norm_eps, gated), residual,
+            norm_weight, norm_eps, gated)
     return y
 
 
-def _launch(x, values, mask, y, config, residual=None, norm_weight=None, norm_eps=0.0):
-    (batch, in_features), (n_words, n_rows) = x.shape, mask.shape
+def _launch(x, values, mask, y, config, residual=None, norm_weight=None, norm_eps=0.0, gated=False):
+    (batch, x_width), (n_words, n_rows) = x.shape, mask.shape
     slices, words_per_warp, unroll, tiles, ahead = config
     if not 1 <= ahead <= words_per_warp or slices * words_per_warp < n_words:
         raise ValueError(f"spmv_2of4: config {config} does not cover {n_words} words with 1 to words-per-warp "
                          "words ahead")
     _mma_sp_kernel[(triton.cdiv(n_rows, 16 * tiles), )](
         x, values, mask, y, y if residual is None else residual, x if norm_weight is None else norm_weight, n_rows,
-        n_words, words_per_warp, batch, in_features, norm_eps, SLICES=slices, M_TILES=tiles,
+        n_words, words_per_warp, batch, x_width, norm_eps, SLICES=slices, M_TILES=tiles,
         N_BLOCKS=triton.cdiv(batch, 8), EVEN_K=n_words == slices * words_per_warp, UNROLL=unroll, PREFETCH=ahead,
-        NORM=norm_weight is not None, RESIDUAL=residual is not None, INTERPRETER_SAFE=INTERPRETING, num_warps=slices)
+        NORM=norm_weight is not None, GATED=gated, RESIDUAL=residual is not None, INTERPRETER_SAFE=INTERPRETING,
+        num_warps=slices)
 
 
-_tuned = {}  # (mask shape, rows of x, norm fused, device) -> config
+_tuned = {}  # (mask shape, rows of x, prologue, device) -> config
 
 
-def _key(x, mask, norm=False):
-    return tuple(mask.shape), x.shape[0], norm, x.device.index
+def _key(x, mask, prologue=""):
+    return tuple(mask.shape), x.shape[0], prologue, x.device.index
 
 
-def spmv_2of4_config(x: torch.Tensor, mask: torch.Tensor, norm: bool = False):
-    """The config spmv_2of4 tuned for this shape and batch, with or without the fused norm (None
-    before its first call)."""
-    return _tuned.get(_key(x, mask, norm))
+def spmv_2of4_config(x: torch.Tensor, mask: torch.Tensor, prologue: str = ""):
+    """The config spmv_2of4 tuned for this shape and batch, with no prologue, "norm" or "gated"
+    (None before its first call)."""
+    return _tuned.get(_key(x, mask, prologue))
 
 
 def spmv_2of4_tuned(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, norm_weight: torch.Tensor = None,
-                    norm_eps: float = 0.0):
-    """The fastest of `candidate_configs` for this shape and batch (and the fused norm, if given),
-    timed once as the SpMV's tuner times (kernels.fastest_in_cuda_graph: in a CUDA graph, the
-    weight's copies rotated past the L2); on CPU the first."""
+                    norm_eps: float = 0.0, gated: bool = False):
+    """The fastest of `candidate_configs` for this shape and batch (and its prologue, if any), timed
+    once as the SpMV's tuner times (kernels.fastest_in_cuda_graph: in a CUDA graph, the weight's
+    copies rotated past the L2); on CPU the first."""
     candidates = candidate_configs(mask.shape[0])
-    key = _key(x, mask, norm_weight is not None)
+    key = _key(x, mask, "norm" if norm_weight is not None else "gated" if gated else "")
     if x.device.type != "cuda":
         return candidates[0]
     if key not in _tuned:
         y = torch.empty(x.shape[0], mask.shape[1], dtype=x.dtype, device=x.device)
         _tuned[key] = fastest_in_cuda_graph(
             candidates, values, mask, lambda config, v, m: _launch(x, v, m, y, config, norm_weight=norm_weight,
-                                                                   norm_eps=norm_eps))
+                                                                   norm_eps=norm_eps, gated=gated))
     return _tuned[key]

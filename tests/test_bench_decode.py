@@ -104,12 +104,12 @@ def test_the_measured_routes_of_one_batch_size_are_reported(monkeypatch):
     import torch
     from sparse import linear
     cuda = torch.device("cuda:0")
-    key = linear.RouteKey(4096, 128, 8, torch.bfloat16, True, True, False, False, cuda)
+    key = linear.RouteKey(4096, 128, 8, torch.bfloat16, True, True, False, "", cuda)
     monkeypatch.setattr(linear, "_routes", {key: "spmv",
                                             key._replace(out_features=28672): "mma_sp",
                                             key._replace(residual=True): "spmv",
                                             key._replace(rows=16): "spmm",
-                                            key._replace(out_features=6144, norm=True): "mma_sp"})
+                                            key._replace(out_features=6144, prologue="norm"): "mma_sp"})
     assert bench_decode.measured_routes(8) == {"4096x4096 2:4": "spmv", "28672x4096 2:4": "mma_sp",
                                                "4096x4096 2:4 +residual": "spmv", "6144x4096 2:4 +norm": "mma_sp"}
     assert bench_decode.measured_routes(4) == {}

@@ -136,9 +136,10 @@ def test_sparse_tensor_core_product_keeps_its_words_ahead_in_flight():
     # weight loads are read in the word they were issued for (0 words later), so a warp waits on
     # the memory every word; four ahead unrolled four times, every weight load is first read four
     # words later (3.5 at 16 rows: x's second block), with no spills.
-    # The same with the RMSNorm fused (x times the norm weight: one bf16x2 multiply a pair).
-    for batch, tiles, norm in ((1, 1, False), (8, 1, False), (8, 2, False), (16, 1, False), (1, 1, True)):
-        report = kernel_sass.compile_mma_sp(batch, slices=4, unroll=4, tiles=tiles, ahead=4, norm=norm)
+    # The same with a prologue fused (the RMSNorm: one bf16x2 multiply a pair; silu(gate) * up).
+    for batch, tiles, prologue in ((1, 1, ""), (8, 1, ""), (8, 2, ""), (16, 1, ""), (1, 1, "norm"), (1, 1, "gated")):
+        report = kernel_sass.compile_mma_sp(batch, slices=4, unroll=4, tiles=tiles, ahead=4, norm=prologue == "norm",
+                                            gated=prologue == "gated")
         assert report["spill_bytes"] == 0, (batch, tiles)
         assert report["words_to_first_use"][0] >= 3.5, (batch, tiles, report["words_to_first_use"])
     assert kernel_sass.compile_mma_sp(1, slices=4, unroll=4)["words_to_first_use"][0] == 0

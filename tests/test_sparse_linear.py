@@ -60,9 +60,9 @@ def test_decode_route_is_measured_once_per_shape_and_row_count(monkeypatch):
 
 
 def test_tensor_core_2of4_joins_the_race_for_bf16_x_when_switched_on(monkeypatch):
-    # TENSOR_CORE_2OF4: a 2:4 weight's matmul of bf16 x, plain or with a residual or the RMSNorm
-    # fused, races the sparse tensor cores too, at any row count (the SpMM only from
-    # MEASURED_ROUTE_MIN_ROWS, plain); other dtypes and patterns do not.
+    # TENSOR_CORE_2OF4: a 2:4 weight's matmul of bf16 x, plain or with a residual and/or a prologue
+    # (the RMSNorm, silu(gate) * up) fused, races the sparse tensor cores too, at any row count (the
+    # SpMM only from MEASURED_ROUTE_MIN_ROWS, plain); other dtypes and patterns do not.
     from sparse import kernels, linear, mma_sp, spmm
     calls, races = [], []
 
@@ -104,14 +104,16 @@ def test_tensor_core_2of4_joins_the_race_for_bf16_x_when_switched_on(monkeypatch
     linear._bitmask_matmul(x2, layer.values, layer.mask, norm_weight=norm_weight, norm_eps=1e-5, two_of_four=True)
     assert races[-1] == ["spmv", "mma_sp"] and [name for name, _ in options] == ["spmv", "mma_sp", "mma_sp"]
     assert all(kw["norm_weight"] is norm_weight and kw["norm_eps"] == 1e-5 for _, kw in options)
-    options.clear()  # silu(gate) * up fused (w2): the SpMV alone, no race
-    linear._bitmask_matmul(torch.randn(2, 192, dtype=torch.bfloat16), layer.values, layer.mask, gated=True,
-                           two_of_four=True)
-    assert [name for name, _ in options] == ["spmv"] and len(races) == 4
+    options.clear()  # silu(gate) * up and the residual fused (w2 at 1-3 rows): both kernels take them
+    residual2 = torch.randn(2, 64, dtype=torch.bfloat16)
+    linear._bitmask_matmul(torch.randn(2, 192, dtype=torch.bfloat16), layer.values, layer.mask, residual=residual2,
+                           gated=True, two_of_four=True)
+    assert races[-1] == ["spmv", "mma_sp"] and [name for name, _ in options] == ["spmv", "mma_sp", "mma_sp"]
+    assert all(kw["gated"] is True and kw["residual"] is residual2 for _, kw in options)
     monkeypatch.setattr(linear, "TENSOR_CORE_2OF4", False)
     options.clear()
     linear._bitmask_matmul(x, layer.values, layer.mask, residual=residual, two_of_four=True)
-    assert [name for name, _ in options] == ["spmv"] and len(races) == 4  # switched off: the SpMV, as before
+    assert [name for name, _ in options] == ["spmv"] and len(races) == 5  # switched off: the SpMV, as before
 
 
 def test_cpu_path_follows_buffers_changed_in_place():
@@ -189,7 +191,7 @@ def test_gpu_bf16_against_float64(out_features, in_features, pattern, rows):
 @pytest.mark.parametrize("rows", [1, 3, 4, 8, 16])
 def test_gpu_tensor_core_route_against_float64(monkeypatch, rows):
     # TENSOR_CORE_2OF4 on: whichever kernel wins the race (the sparse tensor cores among them), the
-    # layer's output matches float64, plain, with a residual to add, and (1-3 rows) with the norm.
+    # layer's output matches float64, plain, with a residual to add, and (1-3 rows) with a prologue.
     from sparse import linear
     monkeypatch.setattr(linear, "TENSOR_CORE_2OF4", True)
     layer = SparseLinear.from_dense(torch.randn(6144, 4096, device="cuda", dtype=torch.bfloat16), "2:4")
@@ -199,13 +201,17 @@ def test_gpu_tensor_core_route_against_float64(monkeypatch, rows):
     assert linear.decode_route(x, layer.values, layer.mask, True) in ("spmv", "spmm", "mma_sp")
     residual = torch.randn(rows, 6144, device="cuda", dtype=torch.bfloat16)  # o and w2 at 4-7 rows
     assert relative_error(layer(x, residual=residual), residual.double() + x.double() @ dense.T) < 1e-2
-    if layer.fuses(x, prologue=True):  # qkv and w13 at 1-3 rows: the RMSNorm fused
+    if layer.fuses(x, prologue=True):  # 1-3 rows: qkv and w13 with the RMSNorm fused, w2 with silu(gate) * up
         from model import RMSNorm
         norm = RMSNorm(4096).cuda().to(torch.bfloat16)
         nn.init.normal_(norm.weight, 1.0, 0.3)
         x64 = x.double()
         normed = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + norm.eps) * norm.weight.double()
         assert relative_error(layer(x, norm=norm), normed @ dense.T) < 1e-2
+        gate_up = torch.randn(rows, 8192, device="cuda", dtype=torch.bfloat16)
+        gate, up = gate_up.double().chunk(2, dim=-1)
+        expected = residual.double() + (torch.nn.functional.silu(gate) * up) @ dense.T
+        assert relative_error(layer(gate_up, residual=residual, gated=True), expected) < 1e-2
 
 
 @pytest.mark.gpu

@@ -71,24 +71,43 @@ def test_product_matches_float64(batch):
     assert relative_error(y, residual.double() + x.double() @ reference_weight.T) < 1e-2
 
 
-@interpreted
-@pytest.mark.parametrize("batch", [1, 3, 11])
-def test_product_with_the_norm_fused_matches_float64(batch):
-    # RMSNorm(x) * norm weight, then the product: x times the weight rounded to bf16 before the
-    # instruction, 1/rms from the squares of every x the warps loaded, applied at the end. Configs:
-    # K split over two warps with the last word past the end, two tiles, and four words ahead
-    # (one past the end).
-    seed = case_seed("mma_sp norm", batch)
-    values, mask = random_packed(40, 96, "2:4", seed, dtype=torch.bfloat16)
+def prologue_case(prologue: str, batch: int, values, mask, seed: int, device="cpu"):
+    """(x, spmv_2of4's options, float64 expected output) for a fused prologue, as a decode step
+    gives them at 1-3 rows: "norm" (RMSNorm(x) * norm weight: qkv, w13) or "gated" (x = [gate | up]
+    -> silu(gate) * up, with the residual: w2)."""
+    n_words, out_features = mask.shape
+    in_features = n_words * 32
     generator = torch.Generator().manual_seed(seed)
-    x = (3 * torch.randn(batch, 96, generator=generator)).to(torch.bfloat16)
-    norm_weight = (1 + 0.5 * torch.randn(96, generator=generator)).to(torch.bfloat16)
-    x64 = x.double()
-    normed = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-5) * norm_weight.double()
-    expected = normed @ unpack(values, mask).double().T
+    weight = unpack(values, mask).double().cpu()
+    if prologue == "norm":
+        x = (3 * torch.randn(batch, in_features, generator=generator)).to(torch.bfloat16)
+        norm_weight = (1 + 0.3 * torch.randn(in_features, generator=generator)).to(torch.bfloat16)
+        x64 = x.double()
+        expected = (x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-5) * norm_weight.double()) @ weight.T
+        options = dict(norm_weight=norm_weight.to(device), norm_eps=1e-5)
+    else:
+        x = (2 * torch.randn(batch, 2 * in_features, generator=generator)).to(torch.bfloat16)
+        residual = torch.randn(batch, out_features, generator=generator).to(torch.bfloat16)
+        gate, up = x.double().chunk(2, dim=-1)
+        expected = residual.double() + (torch.nn.functional.silu(gate) * up) @ weight.T
+        options = dict(gated=True, residual=residual.to(device))
+    return x.to(device), options, expected.to(device)
+
+
+@interpreted
+@pytest.mark.parametrize("prologue", ["norm", "gated"])
+@pytest.mark.parametrize("batch", [1, 3, 11])
+def test_product_with_a_prologue_fused_matches_float64(prologue, batch):
+    # The norm: x times its weight rounded to bf16 before the instruction, 1/rms from the squares of
+    # every x the warps loaded, applied at the end; gated: silu(gate) * up rounded to bf16, and the
+    # residual after. Configs: K split over two warps with the last word past the end, two tiles,
+    # and four words ahead (one past the end).
+    seed = case_seed("mma_sp", prologue, batch)
+    values, mask = random_packed(40, 96, "2:4", seed, dtype=torch.bfloat16)
+    x, options, expected = prologue_case(prologue, batch, values, mask, seed)
     for config in [(2, 2, 2, 1, 2), (1, 3, 4, 2, 1), (1, 4, 4, 1, 4)]:
         out = torch.full((batch, 40), float("nan"), dtype=torch.bfloat16)
-        y = mma_sp.spmv_2of4(x, values, mask, config=config, out=out, norm_weight=norm_weight, norm_eps=1e-5)
+        y = mma_sp.spmv_2of4(x, values, mask, config=config, out=out, **options)
         assert relative_error(y, expected) < 1e-2, config
 
 
@@ -109,6 +128,11 @@ def test_bad_operands_are_one_clear_error():
         mma_sp.spmv_2of4(x, values, mask, residual=torch.zeros(2, 16, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="norm weight"):
         mma_sp.spmv_2of4(x, values, mask, norm_weight=torch.ones(32, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="gated: twice that"):
+        mma_sp.spmv_2of4(x, values, mask, gated=True)  # x must be [gate | up], 128 wide
+    with pytest.raises(ValueError, match="one prologue"):
+        mma_sp.spmv_2of4(torch.zeros(1, 128, dtype=torch.bfloat16), values, mask, gated=True,
+                         norm_weight=torch.ones(64, dtype=torch.bfloat16))
     values48, mask48 = pack(torch.randn(16, 64).to(torch.bfloat16), "4:8")
     values48 = values48[:, :, :4].contiguous()  # a 1:4-like buffer shape: not 16 kept values a word
     with pytest.raises(ValueError, match="2:4 weight"):
@@ -133,19 +157,16 @@ def test_product_on_the_tensor_cores_matches_float64(out_features, in_features, 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("prologue", ["norm", "gated"])
 @pytest.mark.parametrize("out_features,in_features", [(6144, 4096), (40, 96)])
 @pytest.mark.parametrize("batch", [1, 3])
-def test_product_with_the_norm_on_the_tensor_cores_matches_float64(out_features, in_features, batch):
-    # qkv's shape at the rows where a decode step fuses the norm (1-3), and a small one whose words
-    # the warps do not split evenly; every candidate config.
-    values, mask = random_packed(out_features, in_features, "2:4", case_seed("norm", batch), device="cuda",
-                                 dtype=torch.bfloat16)
-    x = (3 * torch.randn(batch, in_features, device="cuda")).to(torch.bfloat16)
-    norm_weight = (1 + 0.3 * torch.randn(in_features, device="cuda")).to(torch.bfloat16)
-    x64 = x.double()
-    normed = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-5) * norm_weight.double()
-    expected = normed @ unpack(values, mask).double().T
+def test_product_with_a_prologue_on_the_tensor_cores_matches_float64(prologue, out_features, in_features, batch):
+    # At the rows where a decode step fuses the prologues (1-3), on qkv's shape and a small one whose
+    # words the warps do not split evenly; every candidate config.
+    seed = case_seed(prologue, out_features, batch)
+    values, mask = random_packed(out_features, in_features, "2:4", seed, device="cuda", dtype=torch.bfloat16)
+    x, options, expected = prologue_case(prologue, batch, values, mask, seed, device="cuda")
     for config in mma_sp.candidate_configs(in_features // 32):
         out = torch.full((batch, out_features), float("nan"), device="cuda", dtype=torch.bfloat16)
-        y = mma_sp.spmv_2of4(x, values, mask, config=config, out=out, norm_weight=norm_weight, norm_eps=1e-5)
+        y = mma_sp.spmv_2of4(x, values, mask, config=config, out=out, **options)
         assert relative_error(y, expected) < 1e-2, config
