@@ -33,11 +33,11 @@
 #   spmm_gpu_tests  pytest -m gpu over the tensor-core SpMM's tests (every tile shape with each K loop) (~3)
 #   mma_sp_gpu_tests  mma_sp_layout_probe.py (which register layout the hardware's mma.sp reads: a table of
 #                   hypotheses), then pytest -m gpu over the sparse tensor-core product's tests (sparse/mma_sp.py:
-#                   mma.sp as inline PTX, every candidate config on three shapes at 1, 5, 8, 16 rows, and with the
-#                   RMSNorm fused at 1 and 3 rows) (~5; 2026-12-04 with SparseLinear's as well, 20 candidates
-#                   and no norm: 17 passed in 263 s; 40 candidates now)
+#                   mma.sp as inline PTX, every candidate config on three shapes at 1, 5, 8, 16 rows, and with
+#                   each prologue fused (RMSNorm, silu·mul) at 1 and 3 rows on two) (~6; 2026-12-04 with
+#                   SparseLinear's as well, 20 candidates and no prologue: 17 passed in 263 s; 40 candidates now)
 #   tc_route_gpu_tests  pytest -m gpu over SparseLinear's tensor-core route at 1, 3, 4, 8, 16 rows against float64,
-#                   with the norm at 1 and 3 (each races the candidates first; ~6, 172 s with 20 and no norm)
+#                   with each prologue at 1 and 3 (each races the candidates first; ~7, 172 s with 20 and none)
 #   kernel_table_tc bench_kernel.py at batch 1, 4, 8, 16 without torch's 2:4: the issue-3 table with the sparse
 #                   tensor-core column beside the SpMV/SpMM (2026-12-04: 357 s with 20 tensor-core candidates a
 #                   shape; with 40 now, run it in halves:)
