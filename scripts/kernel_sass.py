@@ -182,8 +182,7 @@ def load_use_distances(loop, marker: str, load_kind: str = ""):
     loop loads."""
     parsed = []
     for opcode, line in loop:
-        full, operands = re.search(rf"\b({opcode}\S*)(.*?);", line).groups()  # e.g. LDG.E.64.STRONG.GPU
-        opcode = full
+        opcode, operands = re.search(rf"\b({opcode}\S*)(.*?);", line).groups()  # e.g. LDG.E.64.STRONG.GPU
         width = 4 if ".128" in opcode else 2 if ".64" in opcode else 1
         registers = [int(r) for r in re.findall(r"\bR(\d+)\b", operands)]
         parsed.append((opcode, registers, width))

@@ -235,14 +235,24 @@ def _advance(pointers, n_rows, M_TILES: tl.constexpr, SOURCES: tl.constexpr):
 
 
 @triton.jit
+def _bf16_pair(low, high, INTERPRETER_SAFE: tl.constexpr):
+    """Two float32 rounded to bf16 (to nearest, ties to even) in one uint32, `low` in bits 0-15."""
+    if INTERPRETER_SAFE:
+        pair = _bf16_bits(low.to(tl.uint32, bitcast=True)) | (_bf16_bits(high.to(tl.uint32, bitcast=True)) << 16)
+    else:
+        pair = tl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,f,f", [low, high], dtype=tl.uint32,
+                                         is_pure=True, pack=1)
+    return pair
+
+
+@triton.jit
 def _bf16_product(pair, weight, INTERPRETER_SAFE: tl.constexpr):
     """The two bf16 of `pair` times those of `weight`, each rounded to bf16 (to nearest, ties to
     even: the float32 product of two bf16 is exact, so rounding it once is the bf16 product), one
     instruction on the GPU."""
     if INTERPRETER_SAFE:
-        low = _bf16_bits((_half(pair, False) * _half(weight, False)).to(tl.uint32, bitcast=True))
-        high = _bf16_bits((_half(pair, True) * _half(weight, True)).to(tl.uint32, bitcast=True))
-        product = low | (high << 16)
+        product = _bf16_pair(_half(pair, False) * _half(weight, False), _half(pair, True) * _half(weight, True),
+                             INTERPRETER_SAFE)
     else:
         product = tl.inline_asm_elementwise("mul.rn.bf16x2 $0, $1, $2;", "=r,r,r", [pair, weight], dtype=tl.uint32,
                                             is_pure=True, pack=1)
@@ -270,14 +280,8 @@ def _gated_x(b, N_BLOCKS: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
     gated = ()
     for i in tl.static_range(4 * N_BLOCKS):
         gate, up = b[i], b[4 * N_BLOCKS + i]
-        low = _silu(_half(gate, False), INTERPRETER_SAFE) * _half(up, False)
-        high = _silu(_half(gate, True), INTERPRETER_SAFE) * _half(up, True)
-        if INTERPRETER_SAFE:
-            pair = _bf16_bits(low.to(tl.uint32, bitcast=True)) | (_bf16_bits(high.to(tl.uint32, bitcast=True)) << 16)
-        else:
-            pair = tl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,f,f", [low, high], dtype=tl.uint32,
-                                             is_pure=True, pack=1)
-        gated = gated + (pair, )
+        gated = gated + (_bf16_pair(_silu(_half(gate, False), INTERPRETER_SAFE) * _half(up, False),
+                                    _silu(_half(gate, True), INTERPRETER_SAFE) * _half(up, True), INTERPRETER_SAFE), )
     return gated
 
 
