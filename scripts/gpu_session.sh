@@ -34,8 +34,11 @@
 #   mma_sp_gpu_tests  mma_sp_layout_probe.py (which register layout the hardware's mma.sp reads: a table of
 #                   hypotheses), then pytest -m gpu over the sparse tensor-core product's tests (sparse/mma_sp.py:
 #                   mma.sp as inline PTX, every candidate config on three shapes at 1, 5, 8, 16 rows, and with
-#                   each prologue fused (RMSNorm, silu·mul) at 1 and 3 rows on two) (~6; 2026-12-04 with
-#                   SparseLinear's as well, 20 candidates and no prologue: 17 passed in 263 s; 40 candidates now)
+#                   each prologue fused (RMSNorm, silu·mul) at 1 and 3 rows on two) (2026-12-04, session 25:
+#                   21 passed in 423 s, 438 s the job, the 40 candidates compiled one at a time; now each test
+#                   compiles them all first on kernels.COMPILE_THREADS threads: ~3-4 predicted)
+#   compile_time    scripts/compile_time.py on the device: the tensor-core product's 40 candidates and the SpMV's
+#                   compiled one at a time against 4 and 16 threads (kernels.compile_all) (~1.5)
 #   tc_route_gpu_tests  pytest -m gpu over SparseLinear's tensor-core route at 1, 3, 4, 8, 16 rows against float64,
 #                   with each prologue at 1 and 3 (each races the candidates first; ~7, 172 s with 20 and none)
 #   kernel_table_tc bench_kernel.py at batch 1, 4, 8, 16 without torch's 2:4: the issue-3 table with the sparse
@@ -171,6 +174,7 @@ declare -A JOBS=(
   [new_gpu_tests]="$PYTEST_GPU tests/test_sparse_spmm.py tests/test_decode_attention.py -k 'llama_shape or model_decode_matches_sdpa'"
   [spmm_gpu_tests]="$PYTEST_GPU tests/test_sparse_spmm.py"
   [mma_sp_gpu_tests]="python3 scripts/mma_sp_layout_probe.py; $PYTEST_GPU tests/test_mma_sp_layout_probe.py tests/test_sparse_mma_sp.py"
+  [compile_time]="python3 scripts/compile_time.py --threads 1,4,16 --out-json \$JOB/compile_time.json"
   [tc_route_gpu_tests]="$PYTEST_GPU tests/test_sparse_linear.py -k 'tensor_core or hardware'"
   [kernel_table_tc]="python3 scripts/bench_kernel.py --batches 1,4,8,16 --no-semi --out-md \$JOB/table.md --out-json \$JOB/bench.json"
   [kernel_table_tc_b1]="python3 scripts/bench_kernel.py --batches 1 --no-semi --out-md \$JOB/table.md --out-json \$JOB/bench.json"

@@ -33,6 +33,7 @@ choices: docs/KERNEL_NOTES.md.
 """
 import math
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import triton
@@ -477,6 +478,11 @@ def candidate_configs(n_rows: int, n_words: int, batch: int):
 
 
 _tuned_configs = {}
+# A tuner's candidates are compiled this many at a time before any is timed (Triton's
+# AsyncCompileMode: the compiles run in threads, most of their work outside the GIL). Compiling
+# took most of a tuning (40 tensor-core candidates a shape, ~0.5 s each); two threads on two cores
+# compiled them 1.7x faster than one (scripts/compile_time.py; docs/KERNEL_NOTES.md, session 25).
+COMPILE_THREADS = min(16, os.cpu_count() or 1)
 L2_BYTES = 60e6  # the H200's L2 is ~60 MB (50 MB on an H100): copies rotated past it come from DRAM
 
 
@@ -545,15 +551,29 @@ def spmv_config(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, pack_
                             norm_weight=torch.ones(in_features, dtype=x.dtype, device=x.device) if norm else None,
                             residual=torch.zeros(batch, n_rows, dtype=x.dtype, device=x.device) if residual else None)
             _tuned_configs[key] = fastest_in_cuda_graph(
-                configs, values, mask, lambda config, v, m: spmv(x, v, m, config=config, **operands))
+                configs, values, mask, lambda config, v, m: spmv(x, v, m, config=config, **operands),
+                compile_only=lambda config: spmv(x, values, mask, config=config, compile_only=True, **operands))
     return _tuned_configs[key]
 
 
-def fastest_in_cuda_graph(configs, values: torch.Tensor, mask: torch.Tensor, run, timings_out: dict = None):
+def compile_all(configs, compile_only):
+    """Calls compile_only(c) for every config c, each a launch that only compiles its kernel (the
+    launchers' compile_only=True: Triton's warmup), COMPILE_THREADS compiles at a time; later
+    launches of those configs then find their kernels compiled."""
+    with ThreadPoolExecutor(COMPILE_THREADS) as pool, triton.AsyncCompileMode(pool):
+        for config in configs:
+            compile_only(config)
+
+
+def fastest_in_cuda_graph(configs, values: torch.Tensor, mask: torch.Tensor, run, timings_out: dict = None,
+                          compile_only=None):
     """The config c of `configs` for which run(c, values, mask) is fastest, each timed in a CUDA
     graph rotating over copies of the packed weight that together exceed the L2 three times (so
     they stream from DRAM, as in a decode step). The SpMV's and the SpMM's tuners both use it.
-    timings_out, if given, receives {config: µs a call} for every candidate."""
+    timings_out, if given, receives {config: µs a call} for every candidate. compile_only, if given:
+    as `compile_all` takes it; every candidate is then compiled first, several at a time."""
+    if compile_only is not None:
+        compile_all(configs, compile_only)
     nbytes = values.numel() * values.element_size() + mask.numel() * 4
     copies = [(values, mask)] + [(values.clone(), mask.clone()) for _ in range(copies_for(nbytes) - 1)]
     timings = [time_in_cuda_graph([lambda v=v, m=m, c=c: run(c, v, m) for v, m in copies], target_ms=1.0, replays=9)
@@ -575,7 +595,7 @@ def packs_x(x: torch.Tensor) -> bool:
 
 def spmv(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, config=None, out=None,
          norm_weight: torch.Tensor = None, norm_eps: float = 0.0, residual: torch.Tensor = None,
-         gated: bool = False, pack_x: bool = None) -> torch.Tensor:
+         gated: bool = False, pack_x: bool = None, compile_only: bool = False) -> torch.Tensor:
     """y = residual + prologue(x) @ W.T for x of shape (batch <= 16, in); W given as (values, mask);
     y in x's dtype.
 
@@ -586,7 +606,8 @@ def spmv(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, config=None,
     - residual (batch, out): added to the result.
     config: (slices, words per warp, prefetch) instead of the tuned choice; out: optional (batch,
     out_features) buffer to write into (tests poison it); pack_x: round x (after the prologue) to
-    bf16 and shuffle two rows of it at a time, instead of `packs_x`'s choice (needs 2+ rows).
+    bf16 and shuffle two rows of it at a time, instead of `packs_x`'s choice (needs 2+ rows);
+    compile_only: compile the kernel for these operands and config, launch nothing (y unwritten).
     """
     batch, x_width = x.shape
     n_words, n_rows = mask.shape
@@ -619,12 +640,13 @@ def spmv(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, config=None,
     # the partial products, then (NORM) each row block's sums of squares
     workspace, arrivals = _workspace(x.device, batch * n_rows + row_blocks * triton.next_power_of_2(batch), row_blocks)
     y = torch.empty(batch, n_rows, dtype=x.dtype, device=x.device) if out is None else out
-    _spmv_kernel[(row_blocks, split)](
+    _spmv_kernel.run(  # kernel[grid](...), or only its compile (Triton's warmup)
         x, values, mask, y, workspace, arrivals, x if norm_weight is None else norm_weight,
         x if residual is None else residual, n_rows, n_words, words_per_warp, batch, x_width, norm_eps,
         NNZ=nnz, CHUNK=chunk, BATCH=triton.next_power_of_2(batch), SLICES=slices, PREFETCH=prefetch,
         EVEN_K=n_words % (slices * words_per_warp) == 0, NORM=norm_weight is not None,
-        RESIDUAL=residual is not None, GATED=gated, PACKED_X=pack_x, INTERPRETER_SAFE=INTERPRETING, num_warps=slices)
+        RESIDUAL=residual is not None, GATED=gated, PACKED_X=pack_x, INTERPRETER_SAFE=INTERPRETING, num_warps=slices,
+        grid=(row_blocks, split), warmup=compile_only)
     return y
 
 

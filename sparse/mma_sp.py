@@ -428,13 +428,14 @@ def candidate_configs(n_words: int):
 
 def spmv_2of4(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, config=None, out=None,
               residual: torch.Tensor = None, norm_weight: torch.Tensor = None, norm_eps: float = 0.0,
-              gated: bool = False) -> torch.Tensor:
+              gated: bool = False, compile_only: bool = False) -> torch.Tensor:
     """y = residual + x @ W.T on the sparse tensor cores for bf16 x of shape (batch <= 16, in) and a
     2:4 weight packed by sparse/format.py (residual: optional, (batch, out)), with at most one
     prologue, as the SpMV's: norm_weight (in,): x -> RMSNorm(x) * norm_weight, with norm_eps; gated:
     x is (batch, 2 * in) = [gate | up] -> silu(gate) * up. config: (slices, words per warp, unroll,
     tiles, words ahead), else the fastest of `candidate_configs` timed once per shape in a CUDA
-    graph (on CPU: the first)."""
+    graph (on CPU: the first). compile_only: compile the kernel for these operands and config,
+    launch nothing (y unwritten)."""
     batch, x_width = x.shape
     n_words, n_rows = mask.shape
     in_features = x_width // 2 if gated else x_width
@@ -457,22 +458,23 @@ def spmv_2of4(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, config=
         raise ValueError("spmv_2of4 needs contiguous operands")
     y = torch.empty(batch, n_rows, dtype=x.dtype, device=x.device) if out is None else out
     _launch(x, values, mask, y, config or spmv_2of4_tuned(x, values, mask, norm_weight, norm_eps, gated), residual,
-            norm_weight, norm_eps, gated)
+            norm_weight, norm_eps, gated, compile_only)
     return y
 
 
-def _launch(x, values, mask, y, config, residual=None, norm_weight=None, norm_eps=0.0, gated=False):
+def _launch(x, values, mask, y, config, residual=None, norm_weight=None, norm_eps=0.0, gated=False,
+            compile_only=False):
     (batch, x_width), (n_words, n_rows) = x.shape, mask.shape
     slices, words_per_warp, unroll, tiles, ahead = config
     if not 1 <= ahead <= words_per_warp or slices * words_per_warp < n_words:
         raise ValueError(f"spmv_2of4: config {config} does not cover {n_words} words with 1 to words-per-warp "
                          "words ahead")
-    _mma_sp_kernel[(triton.cdiv(n_rows, 16 * tiles), )](
+    _mma_sp_kernel.run(  # kernel[grid](...), or only its compile (Triton's warmup)
         x, values, mask, y, y if residual is None else residual, x if norm_weight is None else norm_weight, n_rows,
         n_words, words_per_warp, batch, x_width, norm_eps, SLICES=slices, M_TILES=tiles,
         N_BLOCKS=triton.cdiv(batch, 8), EVEN_K=n_words == slices * words_per_warp, UNROLL=unroll, PREFETCH=ahead,
         NORM=norm_weight is not None, GATED=gated, RESIDUAL=residual is not None, INTERPRETER_SAFE=INTERPRETING,
-        num_warps=slices)
+        num_warps=slices, grid=(triton.cdiv(n_rows, 16 * tiles), ), warmup=compile_only)
 
 
 _tuned = {}  # (mask shape, rows of x, prologue, device) -> config
@@ -501,5 +503,7 @@ def spmv_2of4_tuned(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, n
         y = torch.empty(x.shape[0], mask.shape[1], dtype=x.dtype, device=x.device)
         _tuned[key] = fastest_in_cuda_graph(
             candidates, values, mask, lambda config, v, m: _launch(x, v, m, y, config, norm_weight=norm_weight,
-                                                                   norm_eps=norm_eps, gated=gated))
+                                                                   norm_eps=norm_eps, gated=gated),
+            compile_only=lambda config: _launch(x, values, mask, y, config, norm_weight=norm_weight, norm_eps=norm_eps,
+                                                gated=gated, compile_only=True))
     return _tuned[key]

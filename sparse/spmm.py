@@ -346,12 +346,14 @@ def spmm_config(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, two_o
             candidate_times[key] = {}
             _tuned_configs[key] = kernels.fastest_in_cuda_graph(
                 configs, values, mask, lambda config, v, m: spmm(x, v, m, config=config, two_of_four=two_of_four),
-                timings_out=candidate_times[key])
+                timings_out=candidate_times[key],
+                compile_only=lambda config: spmm(x, values, mask, config=config, two_of_four=two_of_four,
+                                                 compile_only=True))
     return _tuned_configs[key]
 
 
 def spmm(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, config=None, out=None,
-         two_of_four: bool = False) -> torch.Tensor:
+         two_of_four: bool = False, compile_only: bool = False) -> torch.Tensor:
     """y = x @ W.T for x of shape (tokens, in), W given as (values, mask); y in x's dtype.
 
     x is multiplied in W's dtype (bf16 for a model). config: (BLOCK_OUT, BLOCK_TOKENS, WORDS,
@@ -359,6 +361,7 @@ def spmm(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, config=None,
     two_of_four: W is 2:4 (the caller knows its pattern; the mask alone does not say): with
     EXPAND_2OF4_BY_NIBBLE on and W in bf16/fp16, tiles expand by nibble (`_expand_tile_2of4`)
     instead of by gather; a 16-a-word mask that is not 2:4 then gives a wrong product, not an error.
+    compile_only: compile the kernel for these operands and config, launch nothing (y unwritten).
     """
     n_tokens, in_features = x.shape
     n_words, n_rows = mask.shape
@@ -377,8 +380,8 @@ def spmm(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, config=None,
     workspace, arrivals = kernels._workspace(x.device, MMA_TOKENS * n_rows, row_blocks)
     y = torch.empty(n_tokens, n_rows, dtype=x.dtype, device=x.device) if out is None else out
     grid = (row_blocks, triton.cdiv(n_tokens, block_tokens), split)
-    _spmm_kernel[grid](x, values, mask, y, workspace, arrivals, n_rows, n_tokens, n_words, words_per_split,
-                       NNZ=nnz, CHUNK=values.shape[2], BLOCK_OUT=block_out, BLOCK_TOKENS=block_tokens, WORDS=words,
-                       TWO_OF_FOUR=two_of_four, PREFETCH_PAIRS=two_of_four and PREFETCH_2OF4_PAIRS, STAGES=stages,
-                       INTERPRETER_SAFE=INTERPRETING, num_warps=warps)
+    _spmm_kernel.run(x, values, mask, y, workspace, arrivals, n_rows, n_tokens, n_words, words_per_split,
+                     NNZ=nnz, CHUNK=values.shape[2], BLOCK_OUT=block_out, BLOCK_TOKENS=block_tokens, WORDS=words,
+                     TWO_OF_FOUR=two_of_four, PREFETCH_PAIRS=two_of_four and PREFETCH_2OF4_PAIRS, STAGES=stages,
+                     INTERPRETER_SAFE=INTERPRETING, num_warps=warps, grid=grid, warmup=compile_only)
     return y

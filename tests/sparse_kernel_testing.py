@@ -42,3 +42,16 @@ def case_seed(*parts) -> int:
     """A seed fixed by the test case (Python's str hash changes every process, so a failure seeded
     with it could not be reproduced)."""
     return zlib.crc32(repr(parts).encode()) % 1000
+
+
+def compiled_first(kernel, configs, compile_only):
+    """Yields `configs` after compiling them all with kernels.compile_all (compile_only(c): a launch
+    with compile_only=True), then, once the caller has launched each, checks that none of those
+    launches had to compile (the kernel's JIT cache on the current GPU did not grow). GPU only."""
+    configs = list(configs)
+    kernels.compile_all(configs, compile_only)
+    cache = kernel.device_caches[torch.cuda.current_device()][0]
+    compiled = len(cache)
+    yield from configs
+    assert len(cache) == compiled, f"{len(cache) - compiled} launches compiled what compile_all had compiled"
+

@@ -9,7 +9,8 @@ import torch
 
 from sparse import kernels
 from sparse.format import unpack
-from tests.sparse_kernel_testing import case_seed, interpreted, random_packed, relative_error, rerun_under_interpreter
+from tests.sparse_kernel_testing import (case_seed, compiled_first, interpreted, random_packed, relative_error,
+                                        rerun_under_interpreter)
 
 PATTERNS = ["2:4", "4:8", "8:16", "16:32", "1:4"]
 
@@ -61,6 +62,41 @@ def test_spmv_with_x_packed_in_bf16_pairs_matches_float64(pattern, batch):
         assert relative_error(y, x.bfloat16().double() @ reference_weight.T) < 1e-6, config
     with pytest.raises(ValueError, match="at least 2 rows"):
         kernels.spmv(x[:1], values, mask, pack_x=True)
+
+
+@interpreted
+def test_spmv_compile_only_launches_nothing():
+    # What the tuner and the GPU tests call to compile every candidate before any is launched.
+    values, mask = random_packed(37, 96, "2:4", 4)
+    out = torch.full((2, 37), float("nan"))
+    kernels.spmv(torch.ones(2, 96), values, mask, config=(1, 3, 1), out=out, compile_only=True)
+    assert out.isnan().all()
+
+
+@pytest.mark.skipif(kernels.INTERPRETING or torch.cuda.is_available(),
+                    reason="compiles for sm_90 with a stand-in driver; the GPU tests compile for the real one")
+def test_compile_all_fills_the_jit_cache_with_every_config(monkeypatch):
+    # Real compiles (Triton to PTX to a cubin) without a GPU: the JIT's driver stands in for an
+    # sm_90 device, and the kernel gets an empty cache of its own for the test.
+    import sys
+    from collections import defaultdict
+    from pathlib import Path
+
+    import triton
+    from triton.runtime.driver import driver
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    from compile_time import Sm90StandIn
+
+    monkeypatch.setattr(driver, "_active", Sm90StandIn())
+    monkeypatch.setattr(kernels._spmv_kernel, "device_caches", defaultdict(kernels._spmv_kernel.create_binder))
+    monkeypatch.setattr(kernels, "COMPILE_THREADS", 2)
+    values, mask = random_packed(64, 128, "2:4", 9, dtype=torch.bfloat16)
+    x = torch.ones(1, 128, dtype=torch.bfloat16)
+    configs = [(1, 4, 1), (2, 2, 1), (2, 2, 2), (4, 1, 1)]
+    kernels.compile_all(configs, lambda c: kernels.spmv(x, values, mask, config=c, compile_only=True))
+    compiled = kernels._spmv_kernel.device_caches[0][0].values()
+    assert sorted(kernel.metadata.num_warps for kernel in compiled) == [1, 2, 2, 4]
+    assert all(isinstance(kernel, triton.compiler.CompiledKernel) and kernel.asm["cubin"] for kernel in compiled)
 
 
 @interpreted
@@ -240,7 +276,9 @@ def test_gpu_spmv_every_candidate_config(out_features, in_features, batch):
     # Every config the autotuner may pick, not only the one it picks on this GPU.
     values, mask = random_packed(out_features, in_features, "2:4", batch, device="cuda", dtype=torch.bfloat16)
     reference_weight = unpack(values, mask).double()
-    for config in kernels.candidate_configs(out_features, in_features // 32, batch):
+    x = torch.randn(batch, in_features, device="cuda", dtype=torch.bfloat16)
+    for config in compiled_first(kernels._spmv_kernel, kernels.candidate_configs(out_features, in_features // 32, batch),
+                                 lambda c: kernels.spmv(x, values, mask, config=c, compile_only=True)):
         x = torch.randn(batch, in_features, device="cuda", dtype=torch.bfloat16)
         out = torch.full((batch, out_features), float("nan"), device="cuda", dtype=torch.bfloat16)
         y = kernels.spmv(x, values, mask, config=config, out=out)

@@ -7,7 +7,8 @@ import torch
 
 from sparse import kernels, mma_sp
 from sparse.format import pack, unpack
-from tests.sparse_kernel_testing import case_seed, interpreted, random_packed, relative_error, rerun_under_interpreter
+from tests.sparse_kernel_testing import (case_seed, compiled_first, interpreted, random_packed, relative_error,
+                                        rerun_under_interpreter)
 
 
 @pytest.mark.skipif(kernels.INTERPRETING, reason="this is the subprocess")
@@ -69,6 +70,16 @@ def test_product_matches_float64(batch):
     residual = torch.randn(batch, 40, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
     y = mma_sp.spmv_2of4(x, values, mask, config=(2, 2, 2, 2, 2), residual=residual)
     assert relative_error(y, residual.double() + x.double() @ reference_weight.T) < 1e-2
+
+
+@interpreted
+def test_compile_only_launches_nothing():
+    # What the tuner and the GPU tests call to compile every candidate before any is launched.
+    values, mask = random_packed(40, 96, "2:4", 5, dtype=torch.bfloat16)
+    out = torch.full((3, 40), float("nan"), dtype=torch.bfloat16)
+    mma_sp.spmv_2of4(torch.ones(3, 96, dtype=torch.bfloat16), values, mask, config=(1, 3, 1, 1, 1), out=out,
+                     compile_only=True)
+    assert out.isnan().all()
 
 
 def prologue_case(prologue: str, batch: int, values, mask, seed: int, device="cpu"):
@@ -149,7 +160,8 @@ def test_product_on_the_tensor_cores_matches_float64(out_features, in_features, 
     reference = unpack(values, mask).double()
     x = torch.randn(batch, in_features, device="cuda").to(torch.bfloat16)
     expected = x.double() @ reference.T
-    for config in mma_sp.candidate_configs(in_features // 32):
+    for config in compiled_first(mma_sp._mma_sp_kernel, mma_sp.candidate_configs(in_features // 32),
+                                 lambda c: mma_sp.spmv_2of4(x, values, mask, config=c, compile_only=True)):
         out = torch.full((batch, out_features), float("nan"), device="cuda", dtype=torch.bfloat16)
         y = mma_sp.spmv_2of4(x, values, mask, config=config, out=out)
         assert relative_error(y, expected) < 1e-2, config
@@ -166,7 +178,8 @@ def test_product_with_a_prologue_on_the_tensor_cores_matches_float64(prologue, o
     seed = case_seed(prologue, out_features, batch)
     values, mask = random_packed(out_features, in_features, "2:4", seed, device="cuda", dtype=torch.bfloat16)
     x, options, expected = prologue_case(prologue, batch, values, mask, seed, device="cuda")
-    for config in mma_sp.candidate_configs(in_features // 32):
+    for config in compiled_first(mma_sp._mma_sp_kernel, mma_sp.candidate_configs(in_features // 32),
+                                 lambda c: mma_sp.spmv_2of4(x, values, mask, config=c, compile_only=True, **options)):
         out = torch.full((batch, out_features), float("nan"), device="cuda", dtype=torch.bfloat16)
         y = mma_sp.spmv_2of4(x, values, mask, config=config, out=out, **options)
         assert relative_error(y, expected) < 1e-2, config

@@ -44,6 +44,15 @@ def test_spmm_matches_float64(pattern, tokens):
 
 
 @interpreted
+def test_spmm_compile_only_launches_nothing():
+    # What the tuner calls to compile every candidate before any is launched.
+    values, mask = random_packed(40, 96, "2:4", 6)
+    out = torch.full((4, 40), float("nan"))
+    spmm.spmm(torch.ones(4, 96), values, mask, config=(32, 16, 1, 1, 1, 1), out=out, compile_only=True)
+    assert out.isnan().all()
+
+
+@interpreted
 def test_sparse_linear_dispatch_to_spmm(monkeypatch):
     from sparse import SparseLinear, linear
     monkeypatch.setattr(linear, "SPMM_PREFILL", True)
