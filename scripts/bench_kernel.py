@@ -15,7 +15,8 @@ in it. Launch gaps inside a graph are what a compiled decode step sees, so they 
 number.
 
 The kernel does not depend on the pattern at 16 kept bits per word, so the table times 2:4 (the one
-torch's format can also run); `--patterns` times others. Correctness is checked by the GPU tests.
+torch's format can also run); `--patterns` times others. Correctness is checked by the GPU tests, and
+in the table each timed kernel's tuned launch against float64 (`check_against_float64`).
 
     python scripts/bench_kernel.py --out-md docs/kernel_table.md --out-json runs/bench_kernel.json
     python scripts/bench_kernel.py --sweep   # config sweep on a few shapes (what the autotuner picks from)
@@ -35,7 +36,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from sparse import kernels, linear, mma_sp, spmm  # noqa: E402
-from sparse.format import pack, parse_pattern  # noqa: E402
+from sparse.format import pack, parse_pattern, unpack  # noqa: E402
 from sparse.linear import PROLOGUE_APART_MIN_ROWS, spmm_min_rows  # noqa: E402
 
 SHAPES = {  # (layer, out_features, in_features); qkv and w13 fused as in model.py
@@ -50,6 +51,16 @@ PREFILL = 2048
 
 def random_weight(out_features: int, in_features: int) -> torch.Tensor:
     return torch.randn(out_features, in_features, device="cuda", dtype=torch.bfloat16) / in_features ** 0.5
+
+
+def check_against_float64(kernel: str, y: torch.Tensor, x: torch.Tensor, values, mask):
+    """Stops the table where y = x @ W.T is wrong (bf16 relative error >= 1e-2 against float64), so
+    it never reports the time of a wrong kernel; run on each kernel's tuned launch."""
+    reference = x.double() @ unpack(values, mask).double().T
+    error = float((y.double() - reference).norm() / reference.norm())
+    if not error < 1e-2:
+        raise AssertionError(f"{kernel} is wrong on {mask.shape[1]}x{mask.shape[0] * 32} at {x.shape[0]} rows: "
+                             f"relative error {error:.2e} against float64")
 
 
 def sparse_call(x, values, mask, config=None):
@@ -272,6 +283,7 @@ def bench_shape(out_features, in_features, batch, pattern, with_semi=True, layer
 
     packed = [(values, mask)] + [(values.clone(), mask.clone()) for _ in range(kernels.copies_for(sparse_bytes) - 1)]
     sparse_us = kernels.time_in_cuda_graph([sparse_call(x, v, m) for v, m in packed])
+    check_against_float64("the SpMV/SpMM/prefill", sparse_call(x, values, mask)(), x, values, mask)
     fused_us = None
     # The rows a decode step fuses (SparseLinear.fuses).
     if layer in DECODE_FUSION and batch < spmm_min_rows(parse_pattern(pattern) == (2, 4)):
@@ -281,6 +293,7 @@ def bench_shape(out_features, in_features, batch, pattern, with_semi=True, layer
     if pattern == "2:4" and batch <= mma_sp.MAX_ROWS:  # the same weights on the sparse tensor cores
         mma_sp.spmv_2of4_tuned(x, values, mask)  # its config for this shape, tuned outside the timing
         tensor_core_us = kernels.time_in_cuda_graph([lambda v=v, m=m: mma_sp.spmv_2of4(x, v, m) for v, m in packed])
+        check_against_float64("the sparse tensor cores", mma_sp.spmv_2of4(x, values, mask), x, values, mask)
         if fused_us is not None and decode_call is fused_sparse_call:
             calls = [fused_sparse_call(layer, batch, v, m, tensor_cores=True) for v, m in packed]
             calls[0]()  # tunes its config for this fusion, outside the timing
