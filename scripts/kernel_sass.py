@@ -145,7 +145,8 @@ def compile_mma_sp(batch: int, slices: int = 4, unroll: int = 2, tiles: int = 1,
                    norm: bool = False, gated: bool = False) -> dict:
     """sparse/mma_sp.py's kernel for sm_90a (bf16 x of `batch` rows, 2:4): registers, spills, the word
     loop's instructions and those per kept weight (a warp's word: 16 rows x 16 kept values a tile),
-    the loads a word, and how many words after its load each weight register is first read
+    the loads a word, the barriers (all in the warps' final sum), and how many words after its load
+    each weight register is first read
     (`words_to_first_use`: min and max over the loop's weight loads, the streamed `ld.global.cg`,
     LDG...STRONG.GPU in SASS); the word loop unrolled `unroll` times, `tiles` 16-row tiles a warp,
     `ahead` words' loads in flight; `norm`: the RMSNorm fused (x times the norm weight before the
@@ -170,6 +171,7 @@ def compile_mma_sp(batch: int, slices: int = 4, unroll: int = 2, tiles: int = 1,
     distances = load_use_distances(loop, "HMMA", "STRONG.GPU")
     per_word_mmas = constants["N_BLOCKS"] * tiles
     return dict(registers=registers, spill_bytes=spill_bytes, shared_bytes=shared, words_in_loop=words,
+                barriers=sass.count("BAR.SYNC"),
                 per_word=len(loop) / words, per_kept_weight=len(loop) / words * 32 / (16 * 16 * tiles),
                 loads_per_word=sum(op.startswith("LDG") for op, _ in loop) / words,
                 words_to_first_use=(min(distances) / per_word_mmas, max(distances) / per_word_mmas), sass=sass)

@@ -131,6 +131,15 @@ def test_sparse_tensor_core_product_machine_code():
     assert report["spill_bytes"] == 0 and report["loads_per_word"] == 12 and report["per_kept_weight"] < 7.0
 
 
+def test_sparse_tensor_core_product_sums_its_warps_slices_in_one_pass_a_tile_and_block():
+    # The warps' slices of K are summed through shared memory once per 16-row tile and 8-row block
+    # of x (its four accumulators in one reduction: two barriers), not once per accumulator (three
+    # barriers each: 11 at 1 row, 47 at 16 rows with two tiles before session 25).
+    for batch, tiles, most in ((1, 1, 2), (8, 2, 2 * 2 + 1), (16, 2, 4 * 2 + 3)):
+        report = kernel_sass.compile_mma_sp(batch, slices=4, unroll=4, tiles=tiles, ahead=4)
+        assert report["barriers"] <= most, (batch, tiles, report["barriers"])
+
+
 def test_sparse_tensor_core_product_keeps_its_words_ahead_in_flight():
     # ptxas reorders the ring of prefetched words (mma_sp.PREFETCH_UNROLL): one word ahead, some
     # weight loads are read in the word they were issued for (0 words later), so a warp waits on
