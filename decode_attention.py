@@ -37,6 +37,9 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.language.extra.cuda import gdc_launch_dependents
+
+from sparse.kernels import programmatic_launch
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 PROGRAMS_TARGET = 264  # two programs per SM of an H200 (132 SMs)
@@ -149,7 +152,7 @@ def _partial_attention_kernel(q_ptr, k_ptr, v_ptr, keep_ptr, acc_ptr, stats_ptr,
                               MERGE: tl.constexpr, MERGE_HEADS: tl.constexpr, SPLITS: tl.constexpr,
                               MERGE_CHUNK: tl.constexpr,
                               V_WITH_K: tl.constexpr, STAGES: tl.constexpr, IEEE: tl.constexpr,
-                              INTERPRETER_SAFE: tl.constexpr):
+                              LETS_NEXT_START: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
     """Partial attention of the GROUP_SIZE query heads of one KV head over one split of the slots.
 
     Writes acc (unnormalised sum of p·V, fp32) and stats (max score, sum of exp) per query head and
@@ -161,7 +164,13 @@ def _partial_attention_kernel(q_ptr, k_ptr, v_ptr, keep_ptr, acc_ptr, stats_ptr,
     *write_slot_ptr stores the new k and v there. With QK_NORM as well, q and the new k first go
     through RMSNorm over each head (weights q_norm_ptr, k_norm_ptr [D]), as Qwen3's do.
     With MERGE, the last of the row's and KV head's programs to finish merges the splits into out
-    (arrivals_ptr: one zeroed int32 per row and KV head, left zeroed)."""
+    (arrivals_ptr: one zeroed int32 per row and KV head, left zeroed). LETS_NEXT_START: the next
+    kernel, if launched as a programmatic dependent launch (the o projection's SpMV,
+    sparse/kernels.py's PDL_L2_PREFETCH_BYTES), may start as soon as every program here has: it
+    prefetches its weights into the L2 while this reads the cache, and waits for this to finish
+    before it reads the output."""
+    if LETS_NEXT_START:
+        gdc_launch_dependents()
     batch_head = tl.program_id(0)
     split = tl.program_id(1)
     b = batch_head // n_kv_heads
@@ -375,7 +384,8 @@ def _attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, keep=None, new_k=None, 
         GROUP_SIZE=group_size, GROUP=max(16, triton.next_power_of_2(group_size)), HEAD_DIM=head_dim,
         BLOCK=BLOCK_SLOTS, ROPE_AND_WRITE=rope_and_write, QK_NORM=qk_norm, MERGE=merge, MERGE_HEADS=merge_heads,
         SPLITS=split_tile, MERGE_CHUNK=merge_chunk, V_WITH_K=LOAD_V_WITH_K, STAGES=stages,
-        IEEE=q.dtype == torch.float32, INTERPRETER_SAFE=INTERPRETING)
+        IEEE=q.dtype == torch.float32, LETS_NEXT_START=programmatic_launch(q.device) and merge,
+        INTERPRETER_SAFE=INTERPRETING)
     if not merge:
         _merge_splits_kernel[(batch * n_heads,)](acc, stats, out, splits, SPLITS=split_tile, CHUNK=merge_chunk,
                                                  HEAD_DIM=head_dim)

@@ -20,7 +20,7 @@ in the table each timed kernel's tuned launch against float64 (`check_against_fl
 
     python scripts/bench_kernel.py --out-md docs/kernel_table.md --out-json runs/bench_kernel.json
     python scripts/bench_kernel.py --sweep   # config sweep on a few shapes (what the autotuner picks from)
-    python scripts/bench_kernel.py --chain Llama-3.1-8B   # a decode step's 128 SpMVs back to back
+    python scripts/bench_kernel.py --chain Llama-3.1-8B   # a decode step's 128 SpMVs back to back, with and without PDL
     python scripts/bench_kernel.py --pack-x Llama-3.1-8B --batches 2,4,8,16   # x shuffled per row vs in bf16 pairs
     python scripts/bench_kernel.py --ncu-shapes 4096x4096   # targets for Nsight Compute (see ncu_targets)
 """
@@ -126,12 +126,16 @@ def unfused_sparse_call(layer: str, batch: int, values, mask, pack_x=None):
     return lambda: kernels.spmv(prologue(), values, mask, residual=residual, pack_x=pack_x)
 
 
-def decode_chain(model: str, pattern: str = "2:4", layers: int = 32, distinct: int = 8) -> dict:
+def decode_chain(model: str, pattern: str = "2:4", layers: int = 32, distinct: int = 8,
+                 pdl_l2_mb=(kernels.PDL_L2_PREFETCH_BYTES / 2 ** 20, 0)) -> list:
     """The SpMV part of a batch-1 decode step: `layers` layers of qkv (norm) -> o (residual) -> w13
     (norm) -> w2 (gated + residual), each reading the output of the one before, with a small copy
-    kernel between qkv and o where attention would be; microseconds per step, measured twice.
-    `distinct` different layers' weights are cycled (enough to miss the L2). Compare with the
-    SpMV's share of a profiled decode step (bench_decode.py --profile)."""
+    kernel between qkv and o where attention would be; microseconds per step, measured twice, for
+    each L2 prefetch budget of the SpMV's programmatic dependent launch in `pdl_l2_mb` (MB; 0:
+    plain launches; kernels.PDL_L2_PREFETCH_BYTES), one row each. `distinct` different layers'
+    weights are cycled (enough to miss the L2). Compare with the SpMV's share of a profiled decode
+    step (bench_decode.py --profile)."""
+    budget = kernels.PDL_L2_PREFETCH_BYTES
     shapes = {layer: (out_features, in_features) for layer, out_features, in_features in SHAPES[model]}
     dim = shapes["o"][0]
     weights = [{layer: pack(random_weight(*shapes[layer]), pattern) for layer in shapes} for _ in range(distinct)]
@@ -150,7 +154,13 @@ def decode_chain(model: str, pattern: str = "2:4", layers: int = 32, distinct: i
             h = kernels.spmv(gate_up, *w["w2"], gated=True, residual=h)
         return h
 
-    return dict(model=model, layers=layers, step_us=[kernels.time_in_cuda_graph([step], replays=21) for _ in range(2)])
+    rows = []
+    for megabytes in pdl_l2_mb:  # the same configs (tuned at the first), each prefetch budget in turn
+        kernels.PDL_L2_PREFETCH_BYTES = int(megabytes * 2 ** 20)
+        rows.append(dict(model=model, layers=layers, pdl_l2_mb=megabytes,
+                         step_us=[kernels.time_in_cuda_graph([step], replays=21) for _ in range(2)]))
+    kernels.PDL_L2_PREFETCH_BYTES = budget
+    return rows
 
 
 def pack_x_ab(models, batches) -> list:
@@ -484,6 +494,8 @@ def main():
                    help="--out-json of an --ncu-shapes run outside ncu: launch its tuned configs, no tuning")
     p.add_argument("--unpack-sweep", help="OUTxIN,... or 'all': time the prefill's expansion kernels and configs")
     p.add_argument("--chain", help="MODEL,...: time the SpMV chain of a decode step (decode_chain) instead")
+    p.add_argument("--pdl-l2-mb", default=f"{kernels.PDL_L2_PREFETCH_BYTES / 2 ** 20:g},0",
+                   help="with --chain: the SpMV's PDL L2 prefetch budgets to time, MB (0: plain launches)")
     p.add_argument("--pack-x", help="MODEL,...: x one row per register against bf16 pairs (pack_x_ab), at --batches")
     p.add_argument("--prefill-slices", type=int, help="time the prefill with linear.PREFILL_SLICES set to this")
     p.add_argument("--out-md", type=Path)
@@ -520,9 +532,11 @@ def main():
         print(pack_x_summary(rows))
         return
     if args.chain:
-        rows = [decode_chain(model) for model in args.chain.split(",")]
+        rows = [row for model in args.chain.split(",")
+                for row in decode_chain(model, pdl_l2_mb=[float(mb) for mb in args.pdl_l2_mb.split(",")])]
         for row in rows:
-            print(f"{row['model']}: {row['layers']} layers of SpMVs, µs a step: {', '.join(f'{t:.1f}' for t in row['step_us'])}")
+            print(f"{row['model']}: {row['layers']} layers of SpMVs, PDL L2 prefetch {row['pdl_l2_mb']:g} MB, µs a step: "
+                  f"{', '.join(f'{t:.1f}' for t in row['step_us'])}")
         if args.out_json:
             args.out_json.write_text(json.dumps(rows, indent=1))
         return

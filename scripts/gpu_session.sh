@@ -22,7 +22,12 @@
 #                   shapes at 2, 4, 8, 16 rows, each autotuned, plain / fused / prologue apart, with cuBLAS
 #                   and the SpMM (~6)
 #   kernel_pack_x_b48  the same at 4 and 8 rows only, the rows where packing and the fused prologues are undecided (~3)
-#   kernel_chain    bench_kernel.py --chain: a decode step's SpMVs back to back, no model compile (~1)
+#   kernel_chain    bench_kernel.py --chain: a decode step's SpMVs back to back, no model compile, with the
+#                   SpMV's programmatic dependent launch prefetching 16, 4 and 48 MB into the L2, then plain (~1.5)
+#   pdl_gpu_tests   pytest -m gpu: the SpMV chain under PDL in a CUDA graph (each link's wait before its reads)
+#                   and a whole model's decode step (the attention letting o's SpMV start early) (~2)
+#   decode_pdl_b14  Llama-3.1-8B 2:4 at batch 1 and 4 with --profile, one process each: this tree (PDL with the
+#                   L2 prefetch, session 25) against plain launches (kernels.PDL_L2_PREFETCH_BYTES 0) (~6)
 #   kernel_sweep    bench_kernel.py --sweep on the Llama-3.1-8B and Qwen3-14B shapes at batch 1 and 4 (~4)
 #   kernel_sweep_b1 the same sweep at batch 1 on all 16 shapes of the kernel table, with cuBLAS (~2)
 #   kernel_sweep_batches  the sweep at batch 4, 8 and 16 on the four Llama-3.1-8B shapes (~2)
@@ -152,6 +157,7 @@ ARGMAX_WHOLE="generate.py:s/^ARGMAX_CHUNKS = 64/ARGMAX_CHUNKS = 0/"
 TOPK64="generate.py:s/^TOPK_CHUNKS = 0/TOPK_CHUNKS = 64/"
 V_WITH_K="decode_attention.py:s/^LOAD_V_WITH_K = False/LOAD_V_WITH_K = True/"
 NO_TENSOR_CORES="sparse/linear.py:s/^TENSOR_CORE_2OF4 = True/TENSOR_CORE_2OF4 = False/"
+NO_PDL="sparse/kernels.py:s/^PDL_L2_PREFETCH_BYTES = 16 << 20/PDL_L2_PREFETCH_BYTES = 0/"
 PLAIN_LOOP="decode_attention.py:s/^PIPELINE_STAGES = 2/PIPELINE_STAGES = 1/"
 PROGRAMS1056="decode_attention.py:s/^PROGRAMS_TARGET = 264 /PROGRAMS_TARGET = 1056 /"
 WIDE_COORDESC="generate.py:s/^INDUCTOR_OPTIONS = {/INDUCTOR_OPTIONS = {\x22coordinate_descent_check_all_directions\x22: True, \x22coordinate_descent_search_radius\x22: 2, /"
@@ -164,7 +170,9 @@ declare -A JOBS=(
   [unpack_sweep]="python3 scripts/bench_kernel.py --unpack-sweep all --out-json \$JOB/unpack.json"
   [kernel_pack_x]="python3 scripts/bench_kernel.py --pack-x Llama-3.1-8B,Qwen3-14B --batches 2,4,8,16 --out-md \$JOB/pack_x.md --out-json \$JOB/pack_x.json"
   [kernel_pack_x_b48]="python3 scripts/bench_kernel.py --pack-x Llama-3.1-8B,Qwen3-14B --batches 4,8 --out-md \$JOB/pack_x.md --out-json \$JOB/pack_x.json"
-  [kernel_chain]="python3 scripts/bench_kernel.py --chain Llama-3.1-8B,Qwen3-14B --out-json \$JOB/chain.json"
+  [kernel_chain]="python3 scripts/bench_kernel.py --chain Llama-3.1-8B,Qwen3-14B --pdl-l2-mb 16,4,48,0 --out-json \$JOB/chain.json"
+  [pdl_gpu_tests]="$PYTEST_GPU tests/test_sparse_kernels.py -k 'pdl or decode_step'"
+  [decode_pdl_b14]="OUT=\$JOB bash scripts/decode_variants.sh 1 'base=' 'no_pdl=$NO_PDL' -- --models Llama-3.1-8B --patterns 2:4 --batch_sizes 1,4 --profile"
   [kernel_table]="python3 scripts/bench_kernel.py --out-md \$JOB/table.md --out-json \$JOB/bench.json"
   [kernel_sweep]="python3 scripts/bench_kernel.py --sweep --sweep-shapes 6144x4096,4096x4096,28672x4096,4096x14336,7168x5120,5120x5120,34816x5120,5120x17408 --sweep-batches 1,4 --out-json \$JOB/sweep.json"
   [kernel_sweep_b1]="python3 scripts/bench_kernel.py --sweep --sweep-shapes all --sweep-batches 1 --out-json \$JOB/sweep.json --out-md \$JOB/sweep.md"

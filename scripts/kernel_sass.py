@@ -100,7 +100,7 @@ def compile_partial_attention(rope_and_write: bool, group_size: int = 4, head_di
                  k_norm_ptr="*bf16", norm_eps="fp32")
     constants = dict(GROUP_SIZE=group_size, GROUP=max(16, triton.next_power_of_2(group_size)), HEAD_DIM=head_dim,
                      BLOCK=decode_attention.BLOCK_SLOTS, ROPE_AND_WRITE=rope_and_write, QK_NORM=qk_norm, MERGE=merge,
-                     V_WITH_K=v_with_k, STAGES=stages, IEEE=False, INTERPRETER_SAFE=False)
+                     V_WITH_K=v_with_k, STAGES=stages, IEEE=False, LETS_NEXT_START=merge, INTERPRETER_SAFE=False)
     constants.update(zip(("MERGE_HEADS", "SPLITS", "MERGE_CHUNK"), decode_attention.merge_tiling(group_size, splits,
                                                                                                merge)))
     # What the JIT sees on Llama's shapes: aligned buffers, strides and slot counts in multiples of 16.
@@ -116,7 +116,7 @@ def compile_partial_attention(rope_and_write: bool, group_size: int = 4, head_di
                 instructions=len(SASS_LINE.findall(sass)), loop=len(loop), loads=sass.count("LDG"),
                 async_copies_in_loop=sum(op.startswith("LDGSTS") for op in loop),
                 barriers_in_loop=sum(op.startswith("BAR") for op in loop),
-                loop_loads_at=[round(i / len(loop), 2) for i, op in enumerate(loop) if op.startswith("LDG")])
+                loop_loads_at=[round(i / len(loop), 2) for i, op in enumerate(loop) if op.startswith("LDG")], sass=sass)
 
 
 def compile_spmm(two_of_four: bool, block_out: int = 128, words: int = 2, num_warps: int = 4,
@@ -142,7 +142,7 @@ def compile_spmm(two_of_four: bool, block_out: int = 128, words: int = 2, num_wa
 
 
 def compile_mma_sp(batch: int, slices: int = 4, unroll: int = 2, tiles: int = 1, ahead: int = 1,
-                   norm: bool = False, gated: bool = False) -> dict:
+                   norm: bool = False, gated: bool = False, pdl: bool = False) -> dict:
     """sparse/mma_sp.py's kernel for sm_90a (bf16 x of `batch` rows, 2:4): registers, spills, the word
     loop's instructions and those per kept weight (a warp's word: 16 rows x 16 kept values a tile),
     the loads a word, the barriers (all in the warps' final sum), and how many words after its load
@@ -156,8 +156,8 @@ def compile_mma_sp(batch: int, slices: int = 4, unroll: int = 2, tiles: int = 1,
     pointers = dict(x_ptr="*bf16", values_ptr="*bf16", mask_ptr="*i32", y_ptr="*bf16", residual_ptr="*bf16",
                     norm_ptr="*bf16")
     constants = dict(SLICES=slices, M_TILES=tiles, N_BLOCKS=triton.cdiv(batch, 8), EVEN_K=True, UNROLL=unroll,
-                     PREFETCH=ahead, NORM=norm, GATED=gated, RESIDUAL=False, INTERPRETER_SAFE=False)
-    for name in ("PREFETCH", "NORM", "GATED", "norm_ptr"):  # before session 24: one word ahead, no prologue
+                     PREFETCH=ahead, NORM=norm, GATED=gated, RESIDUAL=False, PDL=pdl, INTERPRETER_SAFE=False)
+    for name in ("PREFETCH", "NORM", "GATED", "norm_ptr", "PDL"):  # before session 24: one word ahead, no prologue
         if name not in mma_sp._mma_sp_kernel.arg_names:
             constants.pop(name, None)
             pointers.pop(name, None)
@@ -207,7 +207,8 @@ def load_use_distances(loop, marker: str, load_kind: str = ""):
 
 
 def compile_spmv(kernels, batch: int, slices: int, prefetch: int, nnz_per_word: int = 16,
-                 dtype: str = "bf16", even_k: bool = True, variant: str = "plain", packed_x: bool = False) -> dict:
+                 dtype: str = "bf16", even_k: bool = True, variant: str = "plain", packed_x: bool = False,
+                 pdl: bool = False) -> dict:
     """Compile the SpMV for sm_90a and count its machine code; one loop trip = one mask word of
     one row per thread, so per kept weight = loop instructions / nnz_per_word. variant: "plain",
     "norm" (the RMSNorm prologue: what wqkv and w13 run in a decode step) or "gated" (silu(gate) *
@@ -217,7 +218,7 @@ def compile_spmv(kernels, batch: int, slices: int, prefetch: int, nnz_per_word: 
              "norm_eps": "fp32"}
     constants = dict(NNZ=nnz_per_word, CHUNK=min(8, nnz_per_word), BATCH=batch, SLICES=slices, PREFETCH=prefetch,
                      EVEN_K=even_k, NORM=variant == "norm", RESIDUAL=variant == "gated",
-                     GATED=variant == "gated", PACKED_X=packed_x, INTERPRETER_SAFE=False)
+                     GATED=variant == "gated", PACKED_X=packed_x, PDL=pdl, INTERPRETER_SAFE=False)
     # The constants this revision's kernel has (older ones lack the fused operands).
     constants = {name: value for name, value in constants.items() if name in kernels._spmv_kernel.arg_names}
     sass, registers, spill_bytes, _ = compile_for_sm90a(kernels._spmv_kernel, types, constants, slices)

@@ -31,6 +31,7 @@ instead of the shuffle, and a bit scan that takes the lowest set bit's index fro
 exponent of (w & -w), exact for a power of two. Measurements and SASS counts behind these
 choices: docs/KERNEL_NOTES.md.
 """
+import functools
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -38,9 +39,17 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_SPMV_BATCH = 16
+# Programmatic dependent launch (Hopper on) with an L2 prefetch: each SpMV may start while the
+# kernel before it drains, asks the L2 for the first words of its weights (about this many bytes
+# over the whole grid), and only then waits for that kernel's output. The weights never depend on
+# the previous kernel, so its tail and the ramp of this one overlap the DRAM reads. Session 10's
+# PDL without the prefetch (1-2 words loaded into registers) measured nothing end to end: the loop
+# restarted its reads only after x arrived (docs/KERNEL_NOTES.md, sessions 10 and 25). 0: off.
+PDL_L2_PREFETCH_BYTES = 16 << 20
 PACK_X_MIN_BATCH = 4  # see packs_x and docs/KERNEL_NOTES.md (sessions 11 and 13)
 
 
@@ -265,16 +274,39 @@ def _join_lanes(acc, FIRST: tl.constexpr, COUNT: tl.constexpr):
 
 
 @triton.jit
+def _prefetch_words_to_l2(values_u32, mask_u32, k_first, rows, n_rows, n_words, words,
+                          CHUNKS: tl.constexpr, U32_PER_CHUNK: tl.constexpr):
+    """Asks the L2 for `words` words from k_first of each thread's row (its mask word and values),
+    kept there ahead of streamed lines (evict_last) until the loop reads them: a hint, no registers
+    written, no wait."""
+    for i in range(0, words):
+        k = tl.minimum(k_first + i, n_words - 1)
+        _prefetch_l2(mask_u32 + k * n_rows + rows)
+        for c in tl.static_range(CHUNKS):
+            _prefetch_l2(values_u32 + ((k * CHUNKS + c) * n_rows + rows) * U32_PER_CHUNK)
+
+
+@triton.jit
+def _prefetch_l2(ptr):
+    tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; // dummy $0", "=r,l", [ptr], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
 def _spmv_kernel(x_ptr, values_ptr, mask_ptr, y_ptr, workspace_ptr, arrivals_ptr, norm_ptr, residual_ptr,
-                 n_rows, n_words, words_per_warp, batch_rows, x_stride, norm_eps,
+                 n_rows, n_words, words_per_warp, batch_rows, x_stride, norm_eps, l2_words,
                  NNZ: tl.constexpr, CHUNK: tl.constexpr, BATCH: tl.constexpr, SLICES: tl.constexpr,
                  PREFETCH: tl.constexpr, EVEN_K: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
-                 GATED: tl.constexpr, PACKED_X: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
+                 GATED: tl.constexpr, PACKED_X: tl.constexpr, PDL: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
     """y[:batch_rows, rows] = residual + prologue(x) @ W[rows].T for the 32 rows of this program's
     row block (`spmv` says what the optional prologue and residual are).
 
     Grid (row blocks, K splits); SLICES warps per program, warp s walking words_per_warp words
-    from (split · SLICES + s) · words_per_warp. BATCH: batch_rows rounded up to a power of two."""
+    from (split · SLICES + s) · words_per_warp. BATCH: batch_rows rounded up to a power of two.
+    PDL: launched as a programmatic dependent launch (PDL_L2_PREFETCH_BYTES): the program may run
+    while the previous kernel drains; it prefetches its warps' first l2_words words into the L2,
+    then waits for that kernel before its first load (x, the residual and the split-K workspace
+    are that kernel's or its predecessors')."""
     DTYPE: tl.constexpr = values_ptr.dtype.element_ty
     U32_PER_CHUNK: tl.constexpr = CHUNK * DTYPE.primitive_bitwidth // 32
     CHUNKS: tl.constexpr = NNZ // CHUNK
@@ -289,6 +321,12 @@ def _spmv_kernel(x_ptr, values_ptr, mask_ptr, y_ptr, workspace_ptr, arrivals_ptr
     for b in tl.static_range(BATCH):
         acc = acc + (tl.zeros([THREADS], dtype=tl.float32), )
     squares = acc if NORM else ()
+
+    if PDL:
+        _prefetch_words_to_l2(values_u32, mask_u32, k_first, rows, n_rows, n_words, l2_words, CHUNKS,
+                              U32_PER_CHUNK)
+        gdc_wait()  # the previous kernel has finished and its writes are visible
+        gdc_launch_dependents()  # the next PDL launch may start its prefetch while this grid runs
 
     # Software pipeline, PREFETCH words deep: word i + PREFETCH's loads are issued before word i
     # is multiplied.
@@ -640,14 +678,37 @@ def spmv(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, config=None,
     # the partial products, then (NORM) each row block's sums of squares
     workspace, arrivals = _workspace(x.device, batch * n_rows + row_blocks * triton.next_power_of_2(batch), row_blocks)
     y = torch.empty(batch, n_rows, dtype=x.dtype, device=x.device) if out is None else out
+    pdl = programmatic_launch(x.device)
+    # a word of every warp: 32 rows each, their kept values and mask word
+    l2_words = l2_prefetch_words(row_blocks * split * slices * 32 * (nnz * values.element_size() + 4),
+                                 words_per_warp) if pdl else 0
     _spmv_kernel.run(  # kernel[grid](...), or only its compile (Triton's warmup)
         x, values, mask, y, workspace, arrivals, x if norm_weight is None else norm_weight,
-        x if residual is None else residual, n_rows, n_words, words_per_warp, batch, x_width, norm_eps,
+        x if residual is None else residual, n_rows, n_words, words_per_warp, batch, x_width, norm_eps, l2_words,
         NNZ=nnz, CHUNK=chunk, BATCH=triton.next_power_of_2(batch), SLICES=slices, PREFETCH=prefetch,
         EVEN_K=n_words % (slices * words_per_warp) == 0, NORM=norm_weight is not None,
-        RESIDUAL=residual is not None, GATED=gated, PACKED_X=pack_x, INTERPRETER_SAFE=INTERPRETING, num_warps=slices,
-        grid=(row_blocks, split), warmup=compile_only)
+        RESIDUAL=residual is not None, GATED=gated, PACKED_X=pack_x, PDL=pdl, INTERPRETER_SAFE=INTERPRETING,
+        num_warps=slices, launch_pdl=pdl, grid=(row_blocks, split), warmup=compile_only)
     return y
+
+
+def programmatic_launch(device: torch.device) -> bool:
+    """Whether kernels on `device` launch as programmatic dependent launches with the L2 prefetch
+    (PDL_L2_PREFETCH_BYTES on, a Hopper or later GPU, not the interpreter)."""
+    return PDL_L2_PREFETCH_BYTES > 0 and device.type == "cuda" and not INTERPRETING and hopper_or_later(device.index)
+
+
+@functools.lru_cache(maxsize=None)
+def hopper_or_later(index: int) -> bool:
+    """griddepcontrol (PDL) is sm_90 PTX."""
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def l2_prefetch_words(bytes_a_word: int, words_per_warp: int) -> int:
+    """Words each warp of a grid prefetches into the L2 before its PDL wait, where one word of
+    every warp's rows (kept values and mask words) is `bytes_a_word`: as many as
+    PDL_L2_PREFETCH_BYTES covers, at most the warp's words."""
+    return min(words_per_warp, PDL_L2_PREFETCH_BYTES // bytes_a_word)
 
 
 def unpack_to_dense(values: torch.Tensor, mask: torch.Tensor, out=None, config=None, rows=None) -> torch.Tensor:

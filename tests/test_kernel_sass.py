@@ -33,6 +33,45 @@ def test_fused_prologues_cost_one_load_per_word():
         assert report["loop"] / report["kept_weights"] < 10, variant
 
 
+def test_spmv_with_pdl_reads_nothing_before_its_wait():
+    # Launched as a programmatic dependent launch, the SpMV runs while the previous kernel drains:
+    # it may prefetch its weights into the L2 (CCTL.E.PML2) before the wait (ACQBULK), but every
+    # load (x, the norm weight, the residual, the weights themselves) and atomic (the split-K
+    # workspace) must follow it, and the next launch is let start (PREEXIT) only after it. x's
+    # loads are pure inline PTX, which the compiler may move: checked on every variant.
+    kernels = kernel_sass.kernels_module()
+    for batch, variant, packed_x in ((1, "plain", False), (1, "norm", False), (1, "gated", False),
+                                     (4, "plain", True), (8, "gated", True)):
+        sass = kernel_sass.compile_spmv(kernels, batch=batch, slices=8, prefetch=2, variant=variant,
+                                        packed_x=packed_x, pdl=True)["sass"]
+        opcodes = [m.group(3) for line in sass.splitlines() if (m := kernel_sass.SASS_LINE.match(line))]
+        wait = opcodes.index("ACQBULK")
+        assert opcodes.count("ACQBULK") == 1 and opcodes.index("PREEXIT") > wait, (batch, variant)
+        assert "CCTL.E.PML2" in sass.split("ACQBULK")[0], (batch, variant)
+        assert not [op for op in opcodes[:wait] if op.startswith(("LDG", "ATOM", "RED"))], (batch, variant)
+    plain = kernel_sass.compile_spmv(kernels, batch=1, slices=8, prefetch=2)["sass"]
+    assert "ACQBULK" not in plain and "PML2" not in plain
+
+
+def test_tensor_core_product_with_pdl_reads_nothing_before_its_wait():
+    # The same contract for sparse/mma_sp.py, whose words-ahead ring must stay as it was.
+    for batch, tiles, norm in ((1, 1, False), (1, 1, True), (8, 2, False)):
+        report = kernel_sass.compile_mma_sp(batch, slices=4, unroll=4, tiles=tiles, ahead=4, norm=norm, pdl=True)
+        opcodes = [m.group(3) for line in report["sass"].splitlines() if (m := kernel_sass.SASS_LINE.match(line))]
+        wait = opcodes.index("ACQBULK")
+        assert "CCTL.E.PML2" in report["sass"].split("ACQBULK")[0] and opcodes.index("PREEXIT") > wait
+        assert not [op for op in opcodes[:wait] if op.startswith(("LDG", "ATOM", "RED"))], (batch, tiles, norm)
+        assert report["spill_bytes"] == 0 and report["words_to_first_use"][0] >= 3.5, (batch, tiles, norm)
+
+
+def test_decode_attention_lets_the_next_kernel_start_first_thing():
+    # With the merge in its last split, the attention's next kernel is the o projection's SpMV,
+    # which prefetches its weights while the attention runs if let start (PREEXIT) early.
+    opcodes = [m.group(3) for line in kernel_sass.compile_partial_attention(True, merge=True)["sass"].splitlines()
+               if (m := kernel_sass.SASS_LINE.match(line))]
+    assert opcodes.index("PREEXIT") < opcodes.index("LDG")
+
+
 def test_residual_is_loaded_before_the_split_k_arrival():
     # The residual (o and w2 at batch 1) is read by every program before it adds its partial sums
     # and counts its arrival, not by the last program after them: its L2 round trip overlaps the

@@ -375,3 +375,62 @@ def test_gpu_spmv_fused_prologue_and_residual(fusion, out_features, in_features)
         # The tuned config, as a decode step gets it (the tuner times the plain product).
         y = kernels.spmv(x, values, mask, norm_weight=norm_weight, norm_eps=1e-5, residual=residual, gated=gated)
         assert relative_error(y, expected) < 1e-2, batch
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("l2_megabytes", [16, 0.01])  # the default budget; one that prefetches nothing
+def test_gpu_spmv_chain_with_pdl_in_a_cuda_graph(l2_megabytes, monkeypatch):
+    """Each SpMV reads the one before's output (x, and the residual) while launched to overlap it
+    (programmatic dependent launch): its wait must come before those reads and before the split-K
+    workspace, which consecutive calls share. Links 3 and 6 are the sparse tensor cores' product
+    (sparse/mma_sp.py, launched the same way). Link by link against float64, over two graph
+    replays with new inputs, so that a read of the last replay's x would show."""
+    from sparse import mma_sp
+    assert kernels.programmatic_launch(torch.device("cuda")) == kernels.hopper_or_later(torch.cuda.current_device())
+    monkeypatch.setattr(kernels, "PDL_L2_PREFETCH_BYTES", int(l2_megabytes * 2 ** 20))
+    n = 4096
+    layers = [random_packed(n, n, "2:4", 20 + i, device="cuda", dtype=torch.bfloat16) for i in range(6)]
+    configs = [(2, 4, 2), (16, 8, 1), (4, 32, 4, 1, 4), (32, 4, 2), (4, 8, 1), (8, 16, 2, 2, 2)]  # split K or not
+    x = torch.empty(1, n, device="cuda", dtype=torch.bfloat16)
+    norm_weight = (1 + 0.3 * torch.randn(n, device="cuda")).bfloat16()
+
+    def chain():
+        outputs, h = [], x
+        for i, ((values, mask), config) in enumerate(zip(layers, configs)):
+            options = dict(norm_weight=norm_weight, norm_eps=1e-5) if i % 2 else dict(residual=h)
+            product = mma_sp.spmv_2of4 if len(config) == 5 else kernels.spmv
+            h = product(h, values, mask, config=config, **options)
+            outputs.append(h)
+        return outputs
+
+    x.copy_(torch.randn(1, n, device="cuda"))
+    chain()  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = chain()
+    for replay in range(2):
+        x.copy_(torch.randn(1, n, device="cuda") * (replay + 1))
+        graph.replay()
+        torch.cuda.synchronize()
+        h = x
+        for i, ((values, mask), y) in enumerate(zip(layers, outputs)):
+            weight = unpack(values, mask)
+            expected = (fused_reference(h, weight, norm_weight, 1e-5) if i % 2 else
+                        fused_reference(h, weight, residual=h))
+            assert relative_error(y, expected) < 1e-2, (replay, i)
+            h = y
+    workspace, arrivals = kernels._workspace(x.device, 0, 0)
+    assert not workspace.any() and not arrivals.any()
+
+
+def test_l2_prefetch_words_share_the_budget_over_the_grid(monkeypatch):
+    monkeypatch.setattr(kernels, "PDL_L2_PREFETCH_BYTES", 16 << 20)
+    # Llama-3.1-8B's w13 (28672 rows: 896 row blocks) at 4 warps a program, 36 bytes a row and word
+    # (16 bf16 values and the mask word): 4.1 MB a word of every warp, so 4 words fit 16 MB.
+    assert kernels.l2_prefetch_words(896 * 4 * 32 * 36, 32) == 4
+    assert kernels.l2_prefetch_words(128 * 4 * 32 * 36, 32) == 28  # o (4096 rows): 28 of each warp's 32 words
+    assert kernels.l2_prefetch_words(64 * 4 * 32 * 36, 32) == 32  # never more than the warp walks
+    monkeypatch.setattr(kernels, "PDL_L2_PREFETCH_BYTES", 0)
+    assert kernels.l2_prefetch_words(128 * 4 * 32 * 36, 32) == 0
+    assert not kernels.programmatic_launch(torch.device("cpu"))
