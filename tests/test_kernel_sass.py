@@ -35,7 +35,7 @@ def test_fused_prologues_cost_one_load_per_word():
 
 def test_spmv_with_pdl_reads_nothing_before_its_wait():
     # Launched as a programmatic dependent launch, the SpMV runs while the previous kernel drains:
-    # it may prefetch its weights into the L2 (CCTL.E.PML2) before the wait (ACQBULK), but every
+    # it may prefetch its weights into the L2 (CCTL.E.PF2) before the wait (ACQBULK), but every
     # load (x, the norm weight, the residual, the weights themselves) and atomic (the split-K
     # workspace) must follow it, and the next launch is let start (PREEXIT) only after it. x's
     # loads are pure inline PTX, which the compiler may move: checked on every variant.
@@ -47,10 +47,10 @@ def test_spmv_with_pdl_reads_nothing_before_its_wait():
         opcodes = [m.group(3) for line in sass.splitlines() if (m := kernel_sass.SASS_LINE.match(line))]
         wait = opcodes.index("ACQBULK")
         assert opcodes.count("ACQBULK") == 1 and opcodes.index("PREEXIT") > wait, (batch, variant)
-        assert "CCTL.E.PML2" in sass.split("ACQBULK")[0], (batch, variant)
+        assert "CCTL.E.PF2" in sass.split("ACQBULK")[0], (batch, variant)
         assert not [op for op in opcodes[:wait] if op.startswith(("LDG", "ATOM", "RED"))], (batch, variant)
     plain = kernel_sass.compile_spmv(kernels, batch=1, slices=8, prefetch=2)["sass"]
-    assert "ACQBULK" not in plain and "PML2" not in plain
+    assert "ACQBULK" not in plain and "CCTL.E.PF2" not in plain
 
 
 def test_tensor_core_product_with_pdl_reads_nothing_before_its_wait():
@@ -59,7 +59,7 @@ def test_tensor_core_product_with_pdl_reads_nothing_before_its_wait():
         report = kernel_sass.compile_mma_sp(batch, slices=4, unroll=4, tiles=tiles, ahead=4, norm=norm, pdl=True)
         opcodes = [m.group(3) for line in report["sass"].splitlines() if (m := kernel_sass.SASS_LINE.match(line))]
         wait = opcodes.index("ACQBULK")
-        assert "CCTL.E.PML2" in report["sass"].split("ACQBULK")[0] and opcodes.index("PREEXIT") > wait
+        assert "CCTL.E.PF2" in report["sass"].split("ACQBULK")[0] and opcodes.index("PREEXIT") > wait
         assert not [op for op in opcodes[:wait] if op.startswith(("LDG", "ATOM", "RED"))], (batch, tiles, norm)
         assert report["spill_bytes"] == 0 and report["words_to_first_use"][0] >= 3.5, (batch, tiles, norm)
 
