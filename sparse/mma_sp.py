@@ -39,7 +39,6 @@ reads the fragments the same way.
 import torch
 import triton
 import triton.language as tl
-
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .kernels import (INTERPRETING, _bf16_bits, _load_u32, _prefetch_l2, _silu, fastest_in_cuda_graph, l2_prefetch_words,

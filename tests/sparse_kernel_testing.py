@@ -54,4 +54,3 @@ def compiled_first(kernel, configs, compile_only):
     compiled = len(cache)
     yield from configs
     assert len(cache) == compiled, f"{len(cache) - compiled} launches compiled what compile_all had compiled"
-
