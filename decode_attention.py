@@ -37,9 +37,10 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-from triton.language.extra.cuda import gdc_launch_dependents
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from sparse.kernels import programmatic_launch
+import sparse.kernels as sparse_kernels
+from sparse.kernels import _prefetch_l2, programmatic_launch
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 PROGRAMS_TARGET = 264  # two programs per SM of an H200 (132 SMs)
@@ -144,7 +145,8 @@ def _attend_block(q, k_ptr, v_ptr, offsets, keep, max_score, total, acc, scale, 
 @triton.jit
 def _partial_attention_kernel(q_ptr, k_ptr, v_ptr, keep_ptr, acc_ptr, stats_ptr, out_ptr, arrivals_ptr,
                               new_k_ptr, new_v_ptr, cos_ptr, sin_ptr, left_pad_ptr, write_slot_ptr,
-                              q_norm_ptr, k_norm_ptr, norm_eps, n_kv_heads, n_slots, slots_per_split, scale,
+                              q_norm_ptr, k_norm_ptr, norm_eps, n_kv_heads, n_slots, slots_per_split, prefetch_slots,
+                              scale,
                               q_stride_b, q_stride_h, kv_stride_b, kv_stride_h, kv_stride_s, keep_stride_b,
                               new_k_stride_b, new_k_stride_h, new_v_stride_b, new_v_stride_h, rope_stride_s,
                               GROUP_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -152,7 +154,7 @@ def _partial_attention_kernel(q_ptr, k_ptr, v_ptr, keep_ptr, acc_ptr, stats_ptr,
                               MERGE: tl.constexpr, MERGE_HEADS: tl.constexpr, SPLITS: tl.constexpr,
                               MERGE_CHUNK: tl.constexpr,
                               V_WITH_K: tl.constexpr, STAGES: tl.constexpr, IEEE: tl.constexpr,
-                              LETS_NEXT_START: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
+                              PDL: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
     """Partial attention of the GROUP_SIZE query heads of one KV head over one split of the slots.
 
     Writes acc (unnormalised sum of p·V, fp32) and stats (max score, sum of exp) per query head and
@@ -164,13 +166,12 @@ def _partial_attention_kernel(q_ptr, k_ptr, v_ptr, keep_ptr, acc_ptr, stats_ptr,
     *write_slot_ptr stores the new k and v there. With QK_NORM as well, q and the new k first go
     through RMSNorm over each head (weights q_norm_ptr, k_norm_ptr [D]), as Qwen3's do.
     With MERGE, the last of the row's and KV head's programs to finish merges the splits into out
-    (arrivals_ptr: one zeroed int32 per row and KV head, left zeroed). LETS_NEXT_START: the next
-    kernel, if launched as a programmatic dependent launch (the o projection's SpMV,
-    sparse/kernels.py's PDL_L2_PREFETCH_BYTES), may start as soon as every program here has: it
-    prefetches its weights into the L2 while this reads the cache, and waits for this to finish
-    before it reads the output."""
-    if LETS_NEXT_START:
-        gdc_launch_dependents()
+    (arrivals_ptr: one zeroed int32 per row and KV head, left zeroed).
+    PDL: launched as a programmatic dependent launch, as the sparse kernels are (sparse/kernels.py's
+    PDL_L2_PREFETCH_BYTES): the program may start while the kernel before it (q, k, v's projection)
+    still runs; it asks the L2 for the first prefetch_slots slots of its split's K and V (written by
+    earlier steps, not by that kernel), waits for that kernel, then lets the next one (the o
+    projection's SpMV) start, which prefetches its weights while this reads the cache."""
     batch_head = tl.program_id(0)
     split = tl.program_id(1)
     b = batch_head // n_kv_heads
@@ -181,6 +182,15 @@ def _partial_attention_kernel(q_ptr, k_ptr, v_ptr, keep_ptr, acc_ptr, stats_ptr,
     kv_base = b * kv_stride_b + kv_head * kv_stride_h
     first = split * slots_per_split
     last = tl.minimum(first + slots_per_split, n_slots)
+    if PDL:
+        LINES: tl.constexpr = (HEAD_DIM + 63) // 64  # one prefetch per 128 bytes of a 16-bit row
+        for start in range(first, tl.minimum(first + prefetch_slots, last), BLOCK):
+            slots = tl.minimum(start + tl.arange(0, BLOCK), n_slots - 1)
+            lines = kv_base + slots[:, None] * kv_stride_s + (tl.arange(0, LINES) * 64)[None, :]
+            _prefetch_l2(k_ptr + lines)
+            _prefetch_l2(v_ptr + lines)
+        gdc_wait()  # the previous kernel has finished and its writes (q, the new k and v) are visible
+        gdc_launch_dependents()
     # Kept slots: keep_ptr's row, or in a decode step the window first_kept..last_kept, computed
     # here rather than passed in: Inductor copied a per-step mask and cos/sin rows into fresh buffers
     # for each layer's call (16-100 small launches a Llama-3.1-8B step, BENCHMARKS session 19).
@@ -376,16 +386,19 @@ def _attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, keep=None, new_k=None, 
     merge = MERGE_IN_LAST_SPLIT
     arrivals = reserve_arrival_counters(q.device, batch * n_kv_heads) if merge else acc
     merge_heads, split_tile, merge_chunk = merge_tiling(group_size, splits, merge)
+    pdl = programmatic_launch(q.device)
+    # the K and V of one slot of every program's split, at most what PDL_L2_PREFETCH_BYTES covers
+    prefetch_slots = min(slots_per_split, sparse_kernels.PDL_L2_PREFETCH_BYTES // (
+        batch * n_kv_heads * splits * 2 * head_dim * k_cache.element_size())) if pdl else 0
     _partial_attention_kernel[(batch * n_kv_heads, splits)](
         q, k_cache, v_cache, keep, acc, stats, out, arrivals, new_k, new_v, rope_cos, rope_sin, left_pad, write_slot,
-        q_norm, k_norm, norm_eps, n_kv_heads, n_slots, slots_per_split, head_dim ** -0.5,
+        q_norm, k_norm, norm_eps, n_kv_heads, n_slots, slots_per_split, prefetch_slots, head_dim ** -0.5,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), keep.stride(0),
         new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1), rope_cos.stride(0),
         GROUP_SIZE=group_size, GROUP=max(16, triton.next_power_of_2(group_size)), HEAD_DIM=head_dim,
         BLOCK=BLOCK_SLOTS, ROPE_AND_WRITE=rope_and_write, QK_NORM=qk_norm, MERGE=merge, MERGE_HEADS=merge_heads,
         SPLITS=split_tile, MERGE_CHUNK=merge_chunk, V_WITH_K=LOAD_V_WITH_K, STAGES=stages,
-        IEEE=q.dtype == torch.float32, LETS_NEXT_START=programmatic_launch(q.device) and merge,
-        INTERPRETER_SAFE=INTERPRETING)
+        IEEE=q.dtype == torch.float32, PDL=pdl, INTERPRETER_SAFE=INTERPRETING, launch_pdl=pdl)
     if not merge:
         _merge_splits_kernel[(batch * n_heads,)](acc, stats, out, splits, SPLITS=split_tile, CHUNK=merge_chunk,
                                                  HEAD_DIM=head_dim)

@@ -86,7 +86,8 @@ def compile_for_sm90a(kernel, types: dict, constants: dict, num_warps: int, divi
 
 
 def compile_partial_attention(rope_and_write: bool, group_size: int = 4, head_dim: int = 128, merge: bool = False,
-                              splits: int = 32, v_with_k: bool = False, stages: int = 1, qk_norm: bool = False) -> dict:
+                              splits: int = 32, v_with_k: bool = False, stages: int = 1, qk_norm: bool = False,
+                              pdl: bool = False) -> dict:
     """decode_attention's partial kernel for sm_90a (bf16, Llama-3.1-8B's GQA group of 4 by
     default), with or without RoPE and the cache write (and Qwen3's q/k norms: qk_norm), with or
     without the merge of `splits` splits in the last program, its block loop plain or
@@ -100,7 +101,7 @@ def compile_partial_attention(rope_and_write: bool, group_size: int = 4, head_di
                  k_norm_ptr="*bf16", norm_eps="fp32")
     constants = dict(GROUP_SIZE=group_size, GROUP=max(16, triton.next_power_of_2(group_size)), HEAD_DIM=head_dim,
                      BLOCK=decode_attention.BLOCK_SLOTS, ROPE_AND_WRITE=rope_and_write, QK_NORM=qk_norm, MERGE=merge,
-                     V_WITH_K=v_with_k, STAGES=stages, IEEE=False, LETS_NEXT_START=merge, INTERPRETER_SAFE=False)
+                     V_WITH_K=v_with_k, STAGES=stages, IEEE=False, PDL=pdl, INTERPRETER_SAFE=False)
     constants.update(zip(("MERGE_HEADS", "SPLITS", "MERGE_CHUNK"), decode_attention.merge_tiling(group_size, splits,
                                                                                                merge)))
     # What the JIT sees on Llama's shapes: aligned buffers, strides and slot counts in multiples of 16.

@@ -64,12 +64,18 @@ def test_tensor_core_product_with_pdl_reads_nothing_before_its_wait():
         assert report["spill_bytes"] == 0 and report["words_to_first_use"][0] >= 3.5, (batch, tiles, norm)
 
 
-def test_decode_attention_lets_the_next_kernel_start_first_thing():
-    # With the merge in its last split, the attention's next kernel is the o projection's SpMV,
-    # which prefetches its weights while the attention runs if let start (PREEXIT) early.
-    opcodes = [m.group(3) for line in kernel_sass.compile_partial_attention(True, merge=True)["sass"].splitlines()
-               if (m := kernel_sass.SASS_LINE.match(line))]
-    assert opcodes.index("PREEXIT") < opcodes.index("LDG")
+def test_decode_attention_with_pdl_reads_nothing_before_its_wait():
+    # Launched as a programmatic dependent launch after q, k, v's projection, the attention may
+    # prefetch its split's cache (written by earlier steps) into the L2 before the wait, but reads
+    # q, the new k and v, the window and the cache only after it; then it lets the o projection's
+    # SpMV start (PREEXIT), which prefetches its weights while the attention runs.
+    for merge, stages in ((True, 2), (False, 1)):
+        sass = kernel_sass.compile_partial_attention(True, merge=merge, stages=stages, pdl=True)["sass"]
+        opcodes = [m.group(3) for line in sass.splitlines() if (m := kernel_sass.SASS_LINE.match(line))]
+        wait = opcodes.index("ACQBULK")
+        assert "CCTL.E.PF2" in sass.split("ACQBULK")[0] and opcodes.index("PREEXIT") > wait, (merge, stages)
+        assert not [op for op in opcodes[:wait] if op.startswith(("LDG", "LDGSTS", "ATOM", "RED", "STG"))], (merge, stages)
+    assert "ACQBULK" not in kernel_sass.compile_partial_attention(True, merge=True)["sass"]
 
 
 def test_residual_is_loaded_before_the_split_k_arrival():
