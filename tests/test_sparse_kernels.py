@@ -291,14 +291,21 @@ def test_gpu_spmv_every_candidate_config(out_features, in_features, batch):
 @pytest.mark.parametrize("rows", [1, 4, 8])
 def test_gpu_sparse_decode_step_with_the_default_fusions_matches_float64(rows):
     """A whole bf16 model's decode step on the GPU with the shipped row thresholds: at 1 row the
-    SpMVs take norm, silu * up and residual; at 4 the prologues run apart; at 8 the residuals too."""
+    SpMVs take norm, silu * up and residual; at 4 the prologues run apart; at 8 the residuals too.
+    Eagerly, then compiled into CUDA graphs as generate.py runs it (its warm-up, recording and
+    replays): the kernels' programmatic dependent launches (on Hopper) captured with their edges."""
     from sparse import linear
     model, reference, token = sparse_model_and_float64_reference(rows, "cuda", torch.bfloat16)
     probe, x = model.layers[0].feed_forward.w2, torch.zeros(rows, 1, 96, device="cuda", dtype=torch.bfloat16)
     assert probe.fuses(x) == (rows < linear.RESIDUAL_APART_MIN_ROWS)
     assert probe.fuses(x, prologue=True) == (rows < min(linear.PROLOGUE_APART_MIN_ROWS, linear.RESIDUAL_APART_MIN_ROWS))
+    expected = reference(token, torch.tensor([5]))
     logits = model(token.cuda(), torch.tensor([5], device="cuda"))
-    assert relative_error(logits.cpu(), reference(token, torch.tensor([5]))) < 3e-2
+    assert relative_error(logits.cpu(), expected) < 3e-2
+    compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+    for call in range(4):  # the same step again: it writes the same cache slot with the same values
+        logits = compiled(token.cuda(), torch.tensor([5], device="cuda"))
+        assert relative_error(logits.cpu(), expected) < 3e-2, call
 
 
 @pytest.mark.gpu
