@@ -212,7 +212,8 @@ def bench_model(name: str, sparse_patterns: list, remaining, args, rows: list):
             row.update(timing, **throughput(step_s, batch_size, step_bytes, args.copy_bandwidth),
                        bound_speedup=round(dense_bytes(name, batch_size, args) / step_bytes, 3),
                        checkpoint_gb=round(generate.state_dict_bytes(model) / 1e9, 2),
-                       peak_memory_gb=round(torch.cuda.max_memory_allocated() / 1e9, 2))
+                       peak_memory_gb=round(torch.cuda.max_memory_allocated() / 1e9, 2),
+                       pdl_l2_prefetch_mb=pdl_l2_prefetch_mb())
             if pattern == "dense":
                 row["speedup"] = 1.0
             else:
@@ -223,6 +224,13 @@ def bench_model(name: str, sparse_patterns: list, remaining, args, rows: list):
             rows.append(row)
             print(json.dumps(row), flush=True)
     free(model)
+
+
+def pdl_l2_prefetch_mb() -> float:
+    """The L2 prefetch budget of the kernels' programmatic dependent launches in this process (the
+    sparse kernels and the attention, which dense runs too); 0: plain launches."""
+    from sparse import kernels
+    return kernels.PDL_L2_PREFETCH_BYTES / 2 ** 20 if kernels.programmatic_launch(torch.device("cuda")) else 0
 
 
 def tuned_spmv_configs(batch_size: int) -> dict:
