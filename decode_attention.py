@@ -169,9 +169,10 @@ def _partial_attention_kernel(q_ptr, k_ptr, v_ptr, keep_ptr, acc_ptr, stats_ptr,
     (arrivals_ptr: one zeroed int32 per row and KV head, left zeroed).
     PDL: launched as a programmatic dependent launch, as the sparse kernels are (sparse/kernels.py's
     PDL_L2_PREFETCH_BYTES): the program may start while the kernel before it (q, k, v's projection)
-    still runs; it asks the L2 for the first prefetch_slots slots of its split's K and V (written by
-    earlier steps, not by that kernel), waits for that kernel, then lets the next one (the o
-    projection's SpMV) start, which prefetches its weights while this reads the cache."""
+    still runs; it asks the L2 for the first prefetch_slots slots of its split's K and V (a hint:
+    every load comes after the wait, and the L2 holds any line that kernel writes meanwhile), waits
+    for that kernel, then lets the next one (the o projection's SpMV) start, which prefetches its
+    weights while this reads the cache."""
     batch_head = tl.program_id(0)
     split = tl.program_id(1)
     b = batch_head // n_kv_heads
