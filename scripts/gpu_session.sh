@@ -28,6 +28,9 @@
 #                   a whole model's decode step, and the attention's GPU tests (it is a PDL launch too) (~4)
 #   decode_pdl_b14  Llama-3.1-8B 2:4 at batch 1 and 4 with --profile, one process each: this tree (PDL with the
 #                   L2 prefetch, session 25) against plain launches (kernels.PDL_L2_PREFETCH_BYTES 0) (~6)
+#   decode_tc_fused_b48  Llama-3.1-8B 2:4 at batch 4 and 8 with --profile, one process each: this tree against the
+#                   prologues and residuals kept fused at 4-8 rows where the tensor cores may take the layer
+#                   (linear.TENSOR_CORE_FUSES_BELOW_ROWS 9: the norm and silu·mul kernels gone) (~6)
 #   kernel_sweep    bench_kernel.py --sweep on the Llama-3.1-8B and Qwen3-14B shapes at batch 1 and 4 (~4)
 #   kernel_sweep_b1 the same sweep at batch 1 on all 16 shapes of the kernel table, with cuBLAS (~2)
 #   kernel_sweep_batches  the sweep at batch 4, 8 and 16 on the four Llama-3.1-8B shapes (~2)
@@ -158,6 +161,7 @@ TOPK64="generate.py:s/^TOPK_CHUNKS = 0/TOPK_CHUNKS = 64/"
 V_WITH_K="decode_attention.py:s/^LOAD_V_WITH_K = False/LOAD_V_WITH_K = True/"
 NO_TENSOR_CORES="sparse/linear.py:s/^TENSOR_CORE_2OF4 = True/TENSOR_CORE_2OF4 = False/"
 NO_PDL="sparse/kernels.py:s/^PDL_L2_PREFETCH_BYTES = 16 << 20/PDL_L2_PREFETCH_BYTES = 0/"
+TC_FUSED="sparse/linear.py:s/^TENSOR_CORE_FUSES_BELOW_ROWS = 0/TENSOR_CORE_FUSES_BELOW_ROWS = 9/"
 PLAIN_LOOP="decode_attention.py:s/^PIPELINE_STAGES = 2/PIPELINE_STAGES = 1/"
 PROGRAMS1056="decode_attention.py:s/^PROGRAMS_TARGET = 264 /PROGRAMS_TARGET = 1056 /"
 WIDE_COORDESC="generate.py:s/^INDUCTOR_OPTIONS = {/INDUCTOR_OPTIONS = {\x22coordinate_descent_check_all_directions\x22: True, \x22coordinate_descent_search_radius\x22: 2, /"
@@ -172,6 +176,7 @@ declare -A JOBS=(
   [kernel_pack_x_b48]="python3 scripts/bench_kernel.py --pack-x Llama-3.1-8B,Qwen3-14B --batches 4,8 --out-md \$JOB/pack_x.md --out-json \$JOB/pack_x.json"
   [kernel_chain]="python3 scripts/bench_kernel.py --chain Llama-3.1-8B,Qwen3-14B --pdl-l2-mb 16,4,48,0 --out-json \$JOB/chain.json"
   [pdl_gpu_tests]="$PYTEST_GPU tests/test_sparse_kernels.py -k 'pdl or decode_step'; $PYTEST_GPU tests/test_decode_attention.py"
+  [decode_tc_fused_b48]="OUT=\$JOB bash scripts/decode_variants.sh 1 'base=' 'tc_fused=$TC_FUSED' -- --models Llama-3.1-8B --patterns 2:4 --batch_sizes 4,8 --profile"
   [decode_pdl_b14]="OUT=\$JOB bash scripts/decode_variants.sh 1 'base=' 'no_pdl=$NO_PDL' -- --models Llama-3.1-8B --patterns 2:4 --batch_sizes 1,4 --profile"
   [kernel_table]="python3 scripts/bench_kernel.py --out-md \$JOB/table.md --out-json \$JOB/bench.json"
   [kernel_sweep]="python3 scripts/bench_kernel.py --sweep --sweep-shapes 6144x4096,4096x4096,28672x4096,4096x14336,7168x5120,5120x5120,34816x5120,5120x17408 --sweep-batches 1,4 --out-json \$JOB/sweep.json"

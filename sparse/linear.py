@@ -77,6 +77,15 @@ PROLOGUE_APART_MIN_ROWS = 4
 # 8 rows the step went 5.862/5.873 -> 5.743/5.725 ms at batch 8, but apart from 4 rows batch 4
 # went 3.981 -> 4.057 ms, so 4-7 rows keep the add fused.
 RESIDUAL_APART_MIN_ROWS = 8
+# The sparse tensor cores' product spends the same instructions on a prologue at 1 to 8 rows of x
+# (a thread holds one row of each 8-row block; the SpMV's threads every row, so its cost grows with
+# them), so for a layer they may take (`tensor_cores_take`: 2:4, bf16) the prologue and the residual
+# could stay fused below this many rows, the race then choosing between the SpMV and the tensor
+# cores with the same fusion: at batch 4-8 up to three small kernels a layer fewer (the norms
+# before qkv and w13, silu(gate) * up before w2) and nothing between the layers' sparse kernels to
+# stop their programmatic dependent launches from overlapping. Built in session 25, not yet timed
+# (the decode_tc_fused_b48 job: this at 9); 0: every layer on the thresholds above.
+TENSOR_CORE_FUSES_BELOW_ROWS = 0
 
 
 @torch.library.custom_op("sparse_decoding::bitmask_matmul", mutates_args=())
@@ -165,8 +174,7 @@ def decode_route(x: Tensor, values: Tensor, mask: Tensor, two_of_four: bool, res
     rows, prologue = x.shape[0], prologue or {}
     fused = residual is not None or bool(prologue)
     by_threshold = "spmv" if rows < spmm_min_rows(two_of_four) or fused else "spmm"
-    tensor_cores = (TENSOR_CORE_2OF4 and two_of_four and x.dtype == values.dtype == torch.bfloat16
-                    and rows <= mma_sp.MAX_ROWS)
+    tensor_cores = tensor_cores_take(x, values, two_of_four)
     spmm_races = rows >= MEASURED_ROUTE_MIN_ROWS and not fused
     if not (MEASURED_ROUTE and (spmm_races or tensor_cores) and can_time_in_cuda_graph(x)):
         return by_threshold
@@ -181,6 +189,13 @@ def decode_route(x: Tensor, values: Tensor, mask: Tensor, two_of_four: bool, res
         _routes[key] = kernels.fastest_in_cuda_graph(
             names, values, mask, lambda name, v, m: DECODE_KERNELS[name](x, v, m, two_of_four, residual, prologue))
     return _routes[key]
+
+
+def tensor_cores_take(x: Tensor, values: Tensor, two_of_four: bool) -> bool:
+    """Whether a matmul of x (its rows: all dimensions but the last) by this packed weight races the
+    sparse tensor cores (TENSOR_CORE_2OF4: bf16, 2:4, at most mma_sp.MAX_ROWS rows)."""
+    return (TENSOR_CORE_2OF4 and two_of_four and x.dtype == values.dtype == torch.bfloat16
+            and x.numel() // x.shape[-1] <= mma_sp.MAX_ROWS)
 
 
 def can_time_in_cuda_graph(x: Tensor) -> bool:
@@ -251,10 +266,13 @@ class SparseLinear(nn.Module):
         """Whether forward should take the residual for this x (model.project asks): a decode-sized
         x that goes to the SpMV kernel, fewer than RESIDUAL_APART_MIN_ROWS rows; with prologue=True,
         whether it should also take the norm or silu(gate) * up (fewer than PROLOGUE_APART_MIN_ROWS
-        rows)."""
+        rows). Where the tensor cores may take the matmul, both below TENSOR_CORE_FUSES_BELOW_ROWS
+        rows as well."""
         rows = x.numel() // x.shape[-1]
-        return (not _without_kernels(x) and rows < min(spmm_min_rows(self.two_of_four), RESIDUAL_APART_MIN_ROWS)
-                and (not prologue or rows < PROLOGUE_APART_MIN_ROWS))
+        fused_below = TENSOR_CORE_FUSES_BELOW_ROWS if tensor_cores_take(x, self.values, self.two_of_four) else 0
+        return (not _without_kernels(x)
+                and rows < max(min(spmm_min_rows(self.two_of_four), RESIDUAL_APART_MIN_ROWS), fused_below)
+                and (not prologue or rows < max(PROLOGUE_APART_MIN_ROWS, fused_below)))
 
     def forward(self, x: Tensor, norm: nn.Module = None, residual: Tensor = None, gated: bool = False) -> Tensor:
         """x @ W.T; where `fuses(x)`, optionally residual + prologue(x) @ W.T in the same kernel, the

@@ -189,11 +189,14 @@ def test_gpu_bf16_against_float64(out_features, in_features, pattern, rows):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("rows", [1, 3, 4, 8, 16])
-def test_gpu_tensor_core_route_against_float64(monkeypatch, rows):
+@pytest.mark.parametrize("fuses_below", [0, 9])  # TENSOR_CORE_FUSES_BELOW_ROWS: 9 fuses the prologues at 4-8 rows too
+def test_gpu_tensor_core_route_against_float64(monkeypatch, rows, fuses_below):
     # TENSOR_CORE_2OF4 on: whichever kernel wins the race (the sparse tensor cores among them), the
-    # layer's output matches float64, plain, with a residual to add, and (1-3 rows) with a prologue.
+    # layer's output matches float64, plain, with a residual to add, and (where it fuses them) with
+    # a prologue.
     from sparse import linear
     monkeypatch.setattr(linear, "TENSOR_CORE_2OF4", True)
+    monkeypatch.setattr(linear, "TENSOR_CORE_FUSES_BELOW_ROWS", fuses_below)
     layer = SparseLinear.from_dense(torch.randn(6144, 4096, device="cuda", dtype=torch.bfloat16), "2:4")
     dense = unpack(layer.values, layer.mask).double()
     x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
@@ -201,7 +204,7 @@ def test_gpu_tensor_core_route_against_float64(monkeypatch, rows):
     assert linear.decode_route(x, layer.values, layer.mask, True) in ("spmv", "spmm", "mma_sp")
     residual = torch.randn(rows, 6144, device="cuda", dtype=torch.bfloat16)  # o and w2 at 4-7 rows
     assert relative_error(layer(x, residual=residual), residual.double() + x.double() @ dense.T) < 1e-2
-    if layer.fuses(x, prologue=True):  # 1-3 rows: qkv and w13 with the RMSNorm fused, w2 with silu(gate) * up
+    if layer.fuses(x, prologue=True):  # qkv and w13 with the RMSNorm fused, w2 with silu(gate) * up
         from model import RMSNorm
         norm = RMSNorm(4096).cuda().to(torch.bfloat16)
         nn.init.normal_(norm.weight, 1.0, 0.3)
@@ -233,3 +236,26 @@ def test_gpu_torch_compile_cuda_graphs():
         x = torch.randn(rows, 1024, device="cuda", dtype=torch.bfloat16)
         reference = x.double() + torch.relu(x.double() @ up.T) @ down.T
         assert relative_error(compiled(x).clone(), reference) < 1e-2
+
+
+def test_tensor_core_layers_keep_their_fusions_below_their_own_threshold(monkeypatch):
+    # TENSOR_CORE_FUSES_BELOW_ROWS: a layer the sparse tensor cores may take (2:4, bf16) keeps the
+    # residual and the prologue fused below it; other layers keep the SpMV's thresholds (residual
+    # below RESIDUAL_APART_MIN_ROWS = 8, prologue below PROLOGUE_APART_MIN_ROWS = 4).
+    from sparse import linear
+    monkeypatch.setattr(linear, "_without_kernels", lambda x: False)  # as on a GPU: fuses() only decides
+    monkeypatch.setattr(linear, "TENSOR_CORE_2OF4", True)
+    two_of_four = SparseLinear.from_dense(torch.randn(64, 96, dtype=torch.bfloat16), "2:4")
+    four_of_eight = SparseLinear.from_dense(torch.randn(64, 96, dtype=torch.bfloat16), "4:8")
+
+    def fusions(layer, rows, dtype=torch.bfloat16):
+        x = torch.zeros(rows, 1, 96, dtype=dtype)
+        return layer.fuses(x), layer.fuses(x, prologue=True)
+
+    for below in (0, 9):
+        monkeypatch.setattr(linear, "TENSOR_CORE_FUSES_BELOW_ROWS", below)
+        assert fusions(four_of_eight, 4) == (True, False) and fusions(four_of_eight, 8) == (False, False)
+        assert fusions(two_of_four, 3) == (True, True)
+        assert fusions(two_of_four, 4) == (True, below > 4) and fusions(two_of_four, 8) == (below > 8, below > 8)
+        assert fusions(two_of_four, 9) == (False, False)
+    assert fusions(two_of_four, 4, torch.float32) == (True, False)  # fp32 x: no tensor cores, the SpMV's thresholds
