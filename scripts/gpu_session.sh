@@ -48,7 +48,7 @@
 #   compile_time    scripts/compile_time.py on the device: the tensor-core product's 40 candidates and the SpMV's
 #                   compiled one at a time against 4 and 16 threads (kernels.compile_all) (~1.5)
 #   tc_route_gpu_tests  pytest -m gpu over SparseLinear's tensor-core route at 1, 3, 4, 8, 16 rows against float64,
-#                   with each prologue at 1 and 3, and at 4, 8, 16 with TENSOR_CORE_FUSES_BELOW_ROWS 9 (each races
+#                   with each prologue at 1 and 3, and at 4 and 8 with TENSOR_CORE_FUSES_BELOW_ROWS 9 (each races
 #                   the candidates first; 172 s in session 24 with 20 candidates and no prologue; ~7 now)
 #   kernel_table_tc bench_kernel.py at batch 1, 4, 8, 16 without torch's 2:4: the issue-3 table with the sparse
 #                   tensor-core column beside the SpMV/SpMM (2026-12-04: 357 s with 20 tensor-core candidates a
