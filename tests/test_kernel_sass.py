@@ -74,7 +74,7 @@ def test_decode_attention_with_pdl_reads_nothing_before_its_wait():
         opcodes = [m.group(3) for line in sass.splitlines() if (m := kernel_sass.SASS_LINE.match(line))]
         wait = opcodes.index("ACQBULK")
         assert "CCTL.E.PF2" in sass.split("ACQBULK")[0] and opcodes.index("PREEXIT") > wait, (merge, stages)
-        assert not [op for op in opcodes[:wait] if op.startswith(("LDG", "LDGSTS", "ATOM", "RED", "STG"))], (merge, stages)
+        assert not [op for op in opcodes[:wait] if op.startswith(("LDG", "ATOM", "RED", "STG"))], (merge, stages)
     assert "ACQBULK" not in kernel_sass.compile_partial_attention(True, merge=True)["sass"]
 
 
