@@ -41,8 +41,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from .kernels import (INTERPRETING, _bf16_bits, _load_u32, _prefetch_l2, _silu, fastest_in_cuda_graph, l2_prefetch_words,
-                      programmatic_launch)
+from .kernels import (INTERPRETING, _bf16_bits, _load_u32, _prefetch_l2, _replace, _silu, fastest_in_cuda_graph,
+                      l2_prefetch_words, programmatic_launch)
 
 MAX_ROWS = 16  # two m16n8k32 instructions per tile and word
 
@@ -271,7 +271,7 @@ def _normed_x(b, squares, N_BLOCKS: tl.constexpr, INTERPRETER_SAFE: tl.constexpr
         for j in tl.static_range(4):
             pair = b[4 * block + j]
             low, high = _half(pair, False), _half(pair, True)
-            squares = squares[:block] + (squares[block] + low * low + high * high, ) + squares[block + 1:]
+            squares = _replace(squares, block, squares[block] + low * low + high * high)
             normed = normed + (_bf16_product(pair, b[4 * N_BLOCKS + j], INTERPRETER_SAFE), )
     return normed, squares
 
@@ -377,7 +377,7 @@ def _mma_sp_kernel(x_ptr, values_ptr, mask_ptr, y_ptr, residual_ptr, norm_ptr, n
     # word ahead, a warp's time was about its words x the memory latency, session 24).
     x_stride_u32 = x_stride // 2
     SOURCES: tl.constexpr = N_BLOCKS * (1 + GATED) + NORM
-    if PDL:
+    if PDL:  # (kernels._prefetch_words_to_l2 row by row instead: 105 -> 123 registers, some loads read 1 word on)
         for i in range(0, l2_words):
             weights, _ = _word_pointers(values_u32, mask_u32, x_u32, norm_u32, tl.minimum(k_first + i, n_words - 1),
                                         rows, t, x_rows, n_rows, n_words, x_stride_u32, M_TILES, N_BLOCKS, NORM,

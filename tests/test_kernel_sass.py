@@ -66,7 +66,7 @@ def test_tensor_core_product_with_pdl_reads_nothing_before_its_wait():
 
 def test_decode_attention_with_pdl_reads_nothing_before_its_wait():
     # Launched as a programmatic dependent launch after q, k, v's projection, the attention may
-    # prefetch its split's cache (written by earlier steps) into the L2 before the wait, but reads
+    # prefetch its split's cache into the L2 before the wait (a hint), but reads
     # q, the new k and v, the window and the cache only after it; then it lets the o projection's
     # SpMV start (PREEXIT), which prefetches its weights while the attention runs.
     for merge, stages in ((True, 2), (False, 1)):
