@@ -206,6 +206,14 @@ INDUCTOR_OPTIONS = {"coordinate_descent_tuning": True, "fx_graph_cache": True}
 TUNE_ON_DEVICE_CLOCK = True
 
 
+def inductor_tuner_clock() -> str:
+    """How Inductor's tuner times candidates in this process: 'device' once tune_on_device_clock()
+    has wrapped it, else 'events' (CUDA events around Python launches). Benchmarks record it."""
+    from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+
+    return "device" if getattr(CachingAutotuner.bench, "on_device_clock", False) else "events"
+
+
 def tune_on_device_clock() -> None:
     """Make Inductor's Triton autotuner (CachingAutotuner.bench, every config and coordinate-
     descent candidate it times on a GPU) time with the profiler's device clock. Process-wide and
@@ -213,9 +221,9 @@ def tune_on_device_clock() -> None:
     with_profiler switch this relies on."""
     from torch._inductor.runtime.triton_heuristics import CachingAutotuner
 
-    bench = CachingAutotuner.bench
-    if getattr(bench, "on_device_clock", False):
+    if inductor_tuner_clock() == "device":
         return
+    bench = CachingAutotuner.bench
     if "with_profiler" not in inspect.signature(bench).parameters:
         print("warning: this torch's Inductor autotuner has no with_profiler switch; its picks for the "
               "decode step's kernels are timed with Python launches", file=sys.stderr)
@@ -237,14 +245,6 @@ def tune_on_device_clock() -> None:
     bench_on_device_clock.on_device_clock = True
     bench_on_device_clock.warned = False
     CachingAutotuner.bench = bench_on_device_clock
-
-
-def inductor_tuner_clock() -> str:
-    """How Inductor's tuner times candidates in this process: 'device' once tune_on_device_clock()
-    has wrapped it, else 'events' (CUDA events around Python launches). Benchmarks record it."""
-    from torch._inductor.runtime.triton_heuristics import CachingAutotuner
-
-    return "device" if getattr(CachingAutotuner.bench, "on_device_clock", False) else "events"
 
 
 def compiled(fn, mode: Optional[str] = None, **compile_args):

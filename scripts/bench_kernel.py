@@ -135,7 +135,6 @@ def decode_chain(model: str, pattern: str = "2:4", layers: int = 32, distinct: i
     plain launches; kernels.PDL_L2_PREFETCH_BYTES), one row each. `distinct` different layers'
     weights are cycled (enough to miss the L2). Compare with the SpMV's share of a profiled decode
     step (bench_decode.py --profile)."""
-    budget = kernels.PDL_L2_PREFETCH_BYTES
     shapes = {layer: (out_features, in_features) for layer, out_features, in_features in SHAPES[model]}
     dim = shapes["o"][0]
     weights = [{layer: pack(random_weight(*shapes[layer]), pattern) for layer in shapes} for _ in range(distinct)]
@@ -156,10 +155,9 @@ def decode_chain(model: str, pattern: str = "2:4", layers: int = 32, distinct: i
 
     rows = []
     for megabytes in pdl_l2_mb:  # the same configs (tuned at the first), each prefetch budget in turn
-        kernels.PDL_L2_PREFETCH_BYTES = int(megabytes * 2 ** 20)
-        rows.append(dict(model=model, layers=layers, pdl_l2_mb=megabytes,
-                         step_us=[kernels.time_in_cuda_graph([step], replays=21) for _ in range(2)]))
-    kernels.PDL_L2_PREFETCH_BYTES = budget
+        with kernels.pdl_l2_prefetch(megabytes * 2 ** 20):
+            rows.append(dict(model=model, layers=layers, pdl_l2_mb=megabytes,
+                             step_us=[kernels.time_in_cuda_graph([step], replays=21) for _ in range(2)]))
     return rows
 
 

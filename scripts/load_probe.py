@@ -17,7 +17,11 @@ And the packed probe once more with K split in two (`halved_programs`), for what
 whole-K grids over the SMs would be worth.
 
 Printed per shape beside the tuned SpMV (batch 1, no fusions) and cuBLAS bf16, all timed as
-bench_kernel.py times (`kernels.time_in_cuda_graph`, rotating copies past the L2). Reading the
+bench_kernel.py times (`kernels.time_in_cuda_graph`, rotating copies past the L2). The SpMV is
+timed twice: as a decode step launches it (programmatic dependent launches with the L2 prefetch,
+kernels.PDL_L2_PREFETCH_BYTES: each call overlaps the previous one's tail) and with plain
+launches, as the probe's kernels and cuBLAS launch; the probe's columns compare with the plain
+one (sessions 21-24 measured them before the SpMV had PDL). Reading the
 result (docs/KERNEL_NOTES.md, session 21: in a decode step the SpMV reads at 79 % of its bytes
 floor, dense's GEMVs at 87 %): "packed" close to the SpMV says the kernel is bound by its loads,
 not its arithmetic; "interleaved" well under "packed" says the layout costs bandwidth (session
@@ -188,6 +192,8 @@ def probe_shape(out_features: int, in_features: int) -> dict:
     packed_bytes = values.numel() * values.element_size() + mask.numel() * 4
     copies = [(values, mask)] + [(values.clone(), mask.clone()) for _ in range(kernels.copies_for(packed_bytes) - 1)]
     spmv_us = kernels.time_in_cuda_graph([lambda v=v, m=m: kernels.spmv(x, v, m) for v, m in copies])
+    with kernels.pdl_l2_prefetch(0):  # the same config, launched as the probe's kernels are
+        spmv_plain_us = kernels.time_in_cuda_graph([lambda v=v, m=m: kernels.spmv(x, v, m) for v, m in copies])
     packed_us = kernels.time_in_cuda_graph([lambda v=v, m=m: read(v, m, config) for v, m in copies])
     flat = [(v, m, interleave(v, m)) for v, m in copies]
     interleaved_us = kernels.time_in_cuda_graph([lambda v=v, m=m, i=i: read(v, m, config, i) for v, m, i in flat])
@@ -198,10 +204,11 @@ def probe_shape(out_features: int, in_features: int) -> dict:
     weights = [weight] + [weight.clone() for _ in range(kernels.copies_for(weight.numel() * 2) - 1)]
     cublas_us = kernels.time_in_cuda_graph([lambda w=w: F.linear(x, w) for w in weights])
     return dict(shape=f"{out_features}x{in_features}", config=config, packed_mb=packed_bytes / 1e6, spmv_us=spmv_us,
-                packed_us=packed_us, interleaved_us=interleaved_us, no_scan_us=no_scan_us, split_us=split_us,
+                spmv_plain_us=spmv_plain_us, packed_us=packed_us, interleaved_us=interleaved_us, no_scan_us=no_scan_us, split_us=split_us,
                 cublas_us=cublas_us,
                 dense_tbs=weight.numel() * 2 / cublas_us / 1e6, packed_tbs=packed_bytes / packed_us / 1e6,
-                interleaved_tbs=packed_bytes / interleaved_us / 1e6, spmv_tbs=packed_bytes / spmv_us / 1e6)
+                interleaved_tbs=packed_bytes / interleaved_us / 1e6, spmv_tbs=packed_bytes / spmv_us / 1e6,
+                spmv_plain_tbs=packed_bytes / spmv_plain_us / 1e6)
 
 
 def main():
@@ -211,14 +218,15 @@ def main():
     if not torch.cuda.is_available():
         sys.exit("load_probe: needs a CUDA GPU (its kernels run on CPU only under TRITON_INTERPRET=1, in the tests)")
     shapes = [tuple(int(n) for n in s.split("x")) for s in args.shapes.split(",")]
-    print("| shape | config (slices, words/warp, prefetch) | packed MB | SpMV µs (TB/s) | probe, packed µs (TB/s) "
-          "| probe, interleaved µs (TB/s) | SpMV without its scan µs | probe, K split in two µs | cuBLAS dense µs (TB/s) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| shape | config (slices, words/warp, prefetch) | packed MB | SpMV µs (TB/s) | SpMV, plain launches µs (TB/s) "
+          "| probe, packed µs (TB/s) | probe, interleaved µs (TB/s) | SpMV without its scan µs "
+          "| probe, K split in two µs | cuBLAS dense µs (TB/s) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for out_features, in_features in shapes:
         r = probe_shape(out_features, in_features)
         split = f"{r['split_us']:.1f}" if r["split_us"] else "-"
         print(f"| {r['shape']} | {r['config']} | {r['packed_mb']:.1f} | {r['spmv_us']:.1f} ({r['spmv_tbs']:.2f}) "
-              f"| {r['packed_us']:.1f} ({r['packed_tbs']:.2f}) | {r['interleaved_us']:.1f} ({r['interleaved_tbs']:.2f}) "
+              f"| {r['spmv_plain_us']:.1f} ({r['spmv_plain_tbs']:.2f}) | {r['packed_us']:.1f} ({r['packed_tbs']:.2f}) | {r['interleaved_us']:.1f} ({r['interleaved_tbs']:.2f}) "
               f"| {r['no_scan_us']:.1f} | {split} | {r['cublas_us']:.1f} ({r['dense_tbs']:.2f}) |", flush=True)
 
 

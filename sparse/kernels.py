@@ -31,6 +31,7 @@ instead of the shuffle, and a bit scan that takes the lowest set bit's index fro
 exponent of (w & -w), exact for a power of two. Measurements and SASS counts behind these
 choices: docs/KERNEL_NOTES.md.
 """
+import contextlib
 import functools
 import math
 import os
@@ -711,6 +712,18 @@ def l2_prefetch_words(bytes_a_word: int, words_per_warp: int) -> int:
     every warp's rows (kept values and mask words) is `bytes_a_word`: as many as
     PDL_L2_PREFETCH_BYTES covers, at most the warp's words."""
     return min(words_per_warp, PDL_L2_PREFETCH_BYTES // bytes_a_word)
+
+
+@contextlib.contextmanager
+def pdl_l2_prefetch(budget_bytes: int):
+    """PDL_L2_PREFETCH_BYTES set to budget_bytes inside the block (0: plain launches), restored
+    after it whatever happens: for benchmarks that time the same tuned configs both ways."""
+    global PDL_L2_PREFETCH_BYTES
+    saved, PDL_L2_PREFETCH_BYTES = PDL_L2_PREFETCH_BYTES, int(budget_bytes)
+    try:
+        yield
+    finally:
+        PDL_L2_PREFETCH_BYTES = saved
 
 
 def unpack_to_dense(values: torch.Tensor, mask: torch.Tensor, out=None, config=None, rows=None) -> torch.Tensor:

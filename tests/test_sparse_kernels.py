@@ -441,3 +441,13 @@ def test_l2_prefetch_words_share_the_budget_over_the_grid(monkeypatch):
     monkeypatch.setattr(kernels, "PDL_L2_PREFETCH_BYTES", 0)
     assert kernels.l2_prefetch_words(128 * 4 * 32 * 36, 32) == 0
     assert not kernels.programmatic_launch(torch.device("cpu"))
+
+
+def test_pdl_l2_prefetch_sets_the_budget_for_its_block_only(monkeypatch):
+    monkeypatch.setattr(kernels, "PDL_L2_PREFETCH_BYTES", 16 << 20)
+    with kernels.pdl_l2_prefetch(4 * 2 ** 20):  # bench_kernel.py --chain passes megabytes * 2 ** 20
+        assert kernels.l2_prefetch_words(128 * 4 * 32 * 36, 32) == 7
+    with pytest.raises(RuntimeError, match="inside"), kernels.pdl_l2_prefetch(0):
+        assert kernels.l2_prefetch_words(128 * 4 * 32 * 36, 32) == 0
+        raise RuntimeError("inside")  # a benchmark that fails must not leave the budget changed
+    assert kernels.PDL_L2_PREFETCH_BYTES == 16 << 20
