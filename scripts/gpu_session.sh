@@ -25,7 +25,10 @@
 #   kernel_chain    bench_kernel.py --chain: a decode step's SpMVs back to back, no model compile, with the
 #                   SpMV's programmatic dependent launch prefetching 16, 4 and 48 MB into the L2, then plain (~1.5)
 #   pdl_gpu_tests   pytest -m gpu: the SpMV chain under PDL in a CUDA graph (each link's wait before its reads),
-#                   a whole model's decode step, and the attention's GPU tests (it is a PDL launch too) (~4)
+#                   a whole model's decode step, and the attention's GPU tests (it is a PDL launch too) (~4).
+#                   If any fails, it sets kernels.PDL_L2_PREFETCH_BYTES = 0 in this tree for the rest of the
+#                   call and says so (the jobs after it then time plain launches; bench_decode's rows record
+#                   the budget they ran with), so put it first, on a one-GPU machine
 #   decode_pdl_b14  Llama-3.1-8B 2:4 at batch 1 and 4 with --profile, one process each: this tree (PDL with the
 #                   L2 prefetch, session 25) against plain launches (kernels.PDL_L2_PREFETCH_BYTES 0) (~6)
 #   decode_tc_fused_b48  Llama-3.1-8B 2:4 at batch 4 and 8 with --profile, one process each: this tree against the
@@ -176,7 +179,7 @@ declare -A JOBS=(
   [kernel_pack_x]="python3 scripts/bench_kernel.py --pack-x Llama-3.1-8B,Qwen3-14B --batches 2,4,8,16 --out-md \$JOB/pack_x.md --out-json \$JOB/pack_x.json"
   [kernel_pack_x_b48]="python3 scripts/bench_kernel.py --pack-x Llama-3.1-8B,Qwen3-14B --batches 4,8 --out-md \$JOB/pack_x.md --out-json \$JOB/pack_x.json"
   [kernel_chain]="python3 scripts/bench_kernel.py --chain Llama-3.1-8B,Qwen3-14B --pdl-l2-mb 16,4,48,0 --out-json \$JOB/chain.json"
-  [pdl_gpu_tests]="$PYTEST_GPU tests/test_sparse_kernels.py -k 'pdl or decode_step'; $PYTEST_GPU tests/test_decode_attention.py"
+  [pdl_gpu_tests]="{ $PYTEST_GPU tests/test_sparse_kernels.py -k 'pdl or decode_step' && $PYTEST_GPU tests/test_decode_attention.py; } || { sed -i '${NO_PDL#*:}' ${NO_PDL%%:*} && echo 'pdl_gpu_tests failed: PDL_L2_PREFETCH_BYTES = 0 for the rest of this call'; }"
   [decode_tc_fused_b48]="OUT=\$JOB bash scripts/decode_variants.sh 1 'base=' 'tc_fused=$TC_FUSED' -- --models Llama-3.1-8B --patterns 2:4 --batch_sizes 4,8 --profile"
   [decode_pdl_b14]="OUT=\$JOB bash scripts/decode_variants.sh 1 'base=' 'no_pdl=$NO_PDL' -- --models Llama-3.1-8B --patterns 2:4 --batch_sizes 1,4 --profile"
   [kernel_table]="python3 scripts/bench_kernel.py --out-md \$JOB/table.md --out-json \$JOB/bench.json"
