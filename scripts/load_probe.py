@@ -204,8 +204,8 @@ def probe_shape(out_features: int, in_features: int) -> dict:
     weights = [weight] + [weight.clone() for _ in range(kernels.copies_for(weight.numel() * 2) - 1)]
     cublas_us = kernels.time_in_cuda_graph([lambda w=w: F.linear(x, w) for w in weights])
     return dict(shape=f"{out_features}x{in_features}", config=config, packed_mb=packed_bytes / 1e6, spmv_us=spmv_us,
-                spmv_plain_us=spmv_plain_us, packed_us=packed_us, interleaved_us=interleaved_us, no_scan_us=no_scan_us, split_us=split_us,
-                cublas_us=cublas_us,
+                spmv_plain_us=spmv_plain_us, packed_us=packed_us, interleaved_us=interleaved_us, no_scan_us=no_scan_us,
+                split_us=split_us, cublas_us=cublas_us,
                 dense_tbs=weight.numel() * 2 / cublas_us / 1e6, packed_tbs=packed_bytes / packed_us / 1e6,
                 interleaved_tbs=packed_bytes / interleaved_us / 1e6, spmv_tbs=packed_bytes / spmv_us / 1e6,
                 spmv_plain_tbs=packed_bytes / spmv_plain_us / 1e6)
@@ -218,7 +218,8 @@ def main():
     if not torch.cuda.is_available():
         sys.exit("load_probe: needs a CUDA GPU (its kernels run on CPU only under TRITON_INTERPRET=1, in the tests)")
     shapes = [tuple(int(n) for n in s.split("x")) for s in args.shapes.split(",")]
-    print("| shape | config (slices, words/warp, prefetch) | packed MB | SpMV µs (TB/s) | SpMV, plain launches µs (TB/s) "
+    print("| shape | config (slices, words/warp, prefetch) | packed MB | SpMV µs (TB/s) "
+          "| SpMV, plain launches µs (TB/s) "
           "| probe, packed µs (TB/s) | probe, interleaved µs (TB/s) | SpMV without its scan µs "
           "| probe, K split in two µs | cuBLAS dense µs (TB/s) |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -226,7 +227,8 @@ def main():
         r = probe_shape(out_features, in_features)
         split = f"{r['split_us']:.1f}" if r["split_us"] else "-"
         print(f"| {r['shape']} | {r['config']} | {r['packed_mb']:.1f} | {r['spmv_us']:.1f} ({r['spmv_tbs']:.2f}) "
-              f"| {r['spmv_plain_us']:.1f} ({r['spmv_plain_tbs']:.2f}) | {r['packed_us']:.1f} ({r['packed_tbs']:.2f}) | {r['interleaved_us']:.1f} ({r['interleaved_tbs']:.2f}) "
+              f"| {r['spmv_plain_us']:.1f} ({r['spmv_plain_tbs']:.2f}) | {r['packed_us']:.1f} ({r['packed_tbs']:.2f}) "
+              f"| {r['interleaved_us']:.1f} ({r['interleaved_tbs']:.2f}) "
               f"| {r['no_scan_us']:.1f} | {split} | {r['cublas_us']:.1f} ({r['dense_tbs']:.2f}) |", flush=True)
 
 
