@@ -33,6 +33,17 @@ def test_fused_prologues_cost_one_load_per_word():
         assert report["loop"] / report["kept_weights"] < 10, variant
 
 
+def pdl_opcodes(sass: str, case, reads=("LDG", "ATOM", "RED")) -> list:
+    """The opcodes of a programmatic dependent launch's SASS, after checking its contract: the L2
+    prefetch (CCTL.E.PF2) before the wait (ACQBULK), no `reads` before it, and the next launch let
+    start (PREEXIT) only after it."""
+    opcodes = [m.group(3) for line in sass.splitlines() if (m := kernel_sass.SASS_LINE.match(line))]
+    wait = opcodes.index("ACQBULK")
+    assert "CCTL.E.PF2" in sass.split("ACQBULK")[0] and opcodes.index("PREEXIT") > wait, case
+    assert not [op for op in opcodes[:wait] if op.startswith(reads)], case
+    return opcodes
+
+
 def test_spmv_with_pdl_reads_nothing_before_its_wait():
     # Launched as a programmatic dependent launch, the SpMV runs while the previous kernel drains:
     # it may prefetch its weights into the L2 (CCTL.E.PF2) before the wait (ACQBULK), but every
@@ -44,11 +55,7 @@ def test_spmv_with_pdl_reads_nothing_before_its_wait():
                                      (4, "plain", True), (8, "gated", True)):
         sass = kernel_sass.compile_spmv(kernels, batch=batch, slices=8, prefetch=2, variant=variant,
                                         packed_x=packed_x, pdl=True)["sass"]
-        opcodes = [m.group(3) for line in sass.splitlines() if (m := kernel_sass.SASS_LINE.match(line))]
-        wait = opcodes.index("ACQBULK")
-        assert opcodes.count("ACQBULK") == 1 and opcodes.index("PREEXIT") > wait, (batch, variant)
-        assert "CCTL.E.PF2" in sass.split("ACQBULK")[0], (batch, variant)
-        assert not [op for op in opcodes[:wait] if op.startswith(("LDG", "ATOM", "RED"))], (batch, variant)
+        assert pdl_opcodes(sass, (batch, variant)).count("ACQBULK") == 1, (batch, variant)
     plain = kernel_sass.compile_spmv(kernels, batch=1, slices=8, prefetch=2)["sass"]
     assert "ACQBULK" not in plain and "CCTL.E.PF2" not in plain
 
@@ -57,24 +64,18 @@ def test_tensor_core_product_with_pdl_reads_nothing_before_its_wait():
     # The same contract for sparse/mma_sp.py, whose words-ahead ring must stay as it was.
     for batch, tiles, norm in ((1, 1, False), (1, 1, True), (8, 2, False)):
         report = kernel_sass.compile_mma_sp(batch, slices=4, unroll=4, tiles=tiles, ahead=4, norm=norm, pdl=True)
-        opcodes = [m.group(3) for line in report["sass"].splitlines() if (m := kernel_sass.SASS_LINE.match(line))]
-        wait = opcodes.index("ACQBULK")
-        assert "CCTL.E.PF2" in report["sass"].split("ACQBULK")[0] and opcodes.index("PREEXIT") > wait
-        assert not [op for op in opcodes[:wait] if op.startswith(("LDG", "ATOM", "RED"))], (batch, tiles, norm)
+        pdl_opcodes(report["sass"], (batch, tiles, norm))
         assert report["spill_bytes"] == 0 and report["words_to_first_use"][0] >= 3.5, (batch, tiles, norm)
 
 
 def test_decode_attention_with_pdl_reads_nothing_before_its_wait():
     # Launched as a programmatic dependent launch after q, k, v's projection, the attention may
-    # prefetch its split's cache into the L2 before the wait (a hint), but reads
+    # prefetch its split's cache into the L2 before the wait (a hint), but reads (or writes)
     # q, the new k and v, the window and the cache only after it; then it lets the o projection's
     # SpMV start (PREEXIT), which prefetches its weights while the attention runs.
     for merge, stages in ((True, 2), (False, 1)):
         sass = kernel_sass.compile_partial_attention(True, merge=merge, stages=stages, pdl=True)["sass"]
-        opcodes = [m.group(3) for line in sass.splitlines() if (m := kernel_sass.SASS_LINE.match(line))]
-        wait = opcodes.index("ACQBULK")
-        assert "CCTL.E.PF2" in sass.split("ACQBULK")[0] and opcodes.index("PREEXIT") > wait, (merge, stages)
-        assert not [op for op in opcodes[:wait] if op.startswith(("LDG", "ATOM", "RED", "STG"))], (merge, stages)
+        pdl_opcodes(sass, (merge, stages), reads=("LDG", "ATOM", "RED", "STG"))
     assert "ACQBULK" not in kernel_sass.compile_partial_attention(True, merge=True)["sass"]
 
 
