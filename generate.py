@@ -24,6 +24,7 @@ import contextlib
 import functools
 import inspect
 import itertools
+import os
 import resource
 import sys
 import time
@@ -37,23 +38,15 @@ from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from checkpoint import CheckpointError, load_checkpoint
-from model import KVCache, Transformer
+from model import Attention, KVCache, Transformer
 from tokenizer import find_tokenizer, load_tokenizer
 
 EOS_CHECK_INTERVAL = 8  # decode steps between the host's looks at "has every row hit EOS?"
-# The decode step's argmax over the vocabulary (greedy, or the exponential race) as a max over each
-# of ARGMAX_CHUNKS slices and an argmax over the slices; 0: one argmax. Inductor gives a one-row
-# reduction to one program that walks the whole row: the race was 37 µs of a Llama-3 step at batch
-# 1 on the H200 for ~1 MB of logits and noise (docs/BENCHMARKS.md, session 8), the slices give each
-# row ARGMAX_CHUNKS programs. Same index as torch.argmax (the first maximum). On since session 17:
-# 36 -> 8 µs a step at batch 1 and 69 -> 8 µs at batch 8 (2:4 Llama-3.1-8B, H200, docs/BENCHMARKS.md).
+# The decode step's argmax over the vocabulary (greedy, or the exponential race) is a max over each
+# of ARGMAX_CHUNKS slices, then an argmax over the slices: Inductor gives a one-row reduction to one
+# program that walks the whole row, the slices give each row ARGMAX_CHUNKS programs (measured faster
+# on the H200, docs/BENCHMARKS.md). Same index as torch.argmax (the first maximum).
 ARGMAX_CHUNKS = 64
-# The top-k threshold the same way: torch.topk of each of TOPK_CHUNKS slices of the row, then of
-# their union (every one of a row's k largest values is among its slice's k largest, so the values
-# are torch.topk's exactly). torch.topk over a 128,256-wide row was ~51 µs in ~19 launches of a
-# Llama-3 step (docs/BENCHMARKS.md, session 8). 0: one torch.topk. Off: in 64 slices it took 75 µs a
-# step at batch 1 and 149 at batch 8 against 43 and 48 (each slice gets torch's single-block select).
-TOPK_CHUNKS = 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -96,7 +89,34 @@ def load_model(checkpoint_path, device="cuda", dtype=torch.bfloat16) -> Transfor
     if config.tie_embeddings:  # assign=True replaced the two parameters separately; share them again
         model.output.weight = model.tok_embeddings.weight
     # Module.to(dtype) casts floating-point tensors only, so sparse bitmasks stay int32.
-    return model.to(device=device, dtype=dtype).eval()
+    model = model.to(device=device, dtype=dtype).eval()
+    if model.tok_embeddings.weight.is_cuda:
+        install_decode_attention(model)
+    return model
+
+
+def install_decode_attention(model: Transformer) -> bool:
+    """Plug the decode-attention kernel into every Attention of `model` where it applies; True if it did.
+
+    It applies on CUDA (and on CPU under TRITON_INTERPRET=1, where Triton interprets it: tests) for
+    a head_dim the kernel supports; elsewhere the model keeps plain PyTorch attention. A decode step
+    then makes one kernel call per layer instead of Inductor's SDPA, RoPE and cache-write kernels.
+    The kernel's merge counts on per-(row, KV head) counters, reserved here for the model's caches:
+    call this after setup_caches and before capturing a CUDA graph, since counters first allocated
+    inside a graph's warm-up would land in its memory pool. generate() does so on CUDA.
+    """
+    import decode_attention  # the kernel (Triton): imported only where it may run
+
+    device = model.tok_embeddings.weight.device
+    runs_here = device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    if not runs_here or not decode_attention.supports(model.config.head_dim):
+        return False
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.decode_attention = decode_attention.decode_attention_with_cache_write
+    if model.max_batch_size > 0:
+        decode_attention.reserve_arrival_counters(device, model.max_batch_size * model.config.n_local_heads)
+    return True
 
 
 # ---------------------------------------------------------------------------------------------
@@ -114,9 +134,9 @@ def kept_logits(logits: Tensor, temperature: float = 1.0, top_k: Optional[int] =
     logits = logits.float() / temperature
     if top_k is not None or top_p is not None:
         k = logits.shape[-1] if top_k is None else min(top_k, logits.shape[-1])
-        # Unsorted unless top-p needs the order: on CUDA the sort is a kernel of its own (21 us of
-        # a Llama-3 step at k=200, docs/BENCHMARKS.md), and top-k alone needs only the k-th value.
-        ranked = top_values(logits, k, sorted=top_p is not None)  # sorted: descending
+        # Unsorted unless top-p needs the order: on CUDA the sort is a kernel of its own, and top-k
+        # alone needs only the k-th value.
+        ranked = torch.topk(logits, k, sorted=top_p is not None).values  # sorted: descending
         if top_p is not None:
             ranked_probs = torch.softmax(ranked, dim=-1)  # renormalised over the top-k, as if top-k ran first
             mass_before = ranked_probs.cumsum(dim=-1) - ranked_probs
@@ -126,33 +146,18 @@ def kept_logits(logits: Tensor, temperature: float = 1.0, top_k: Optional[int] =
     return logits
 
 
-def _vocab_slices(x: Tensor, slices: int) -> Tensor:
-    """x [..., V] padded with -inf to [..., slices, ceil(V / slices)]."""
-    width = -(-x.shape[-1] // slices)
-    padded = torch.nn.functional.pad(x, (0, width * slices - x.shape[-1]), value=float("-inf"))
-    return padded.reshape(*x.shape[:-1], slices, width)
-
-
-def top_values(x: Tensor, k: int, sorted: bool) -> Tensor:
-    """torch.topk(x, k, sorted=sorted).values along the last dim of x, in TOPK_CHUNKS slices (see
-    there) when set and a slice is wider than k."""
-    if not TOPK_CHUNKS or -(-x.shape[-1] // TOPK_CHUNKS) <= k:
-        return torch.topk(x, k, sorted=sorted).values
-    candidates = torch.topk(_vocab_slices(x, TOPK_CHUNKS), k, sorted=False).values
-    return torch.topk(candidates.flatten(-2), k, sorted=sorted).values
-
-
 def logits_to_probs(logits: Tensor, temperature: float = 1.0, top_k: Optional[int] = None,
                     top_p: Optional[float] = None) -> Tensor:
     """logits [..., V] -> the probabilities that `sample` draws from (zero outside the kept set)."""
     return torch.softmax(kept_logits(logits, temperature, top_k, top_p), dim=-1)
 
 
-def argmax_over_vocab(scores: Tensor) -> Tensor:
-    """scores.argmax(dim=-1), in ARGMAX_CHUNKS slices (see there) when set."""
-    if not ARGMAX_CHUNKS:
-        return scores.argmax(dim=-1)
-    slices = _vocab_slices(scores, ARGMAX_CHUNKS)
+def argmax_over_vocab(scores: Tensor, chunks: int = ARGMAX_CHUNKS) -> Tensor:
+    """scores.argmax(dim=-1), as a max over each of `chunks` slices of the last dim, then an argmax
+    over the slices (see ARGMAX_CHUNKS)."""
+    width = -(-scores.shape[-1] // chunks)
+    padded = torch.nn.functional.pad(scores, (0, width * chunks - scores.shape[-1]), value=float("-inf"))
+    slices = padded.reshape(*scores.shape[:-1], chunks, width)
     best, where = slices.max(dim=-1)  # each slice's first maximum
     chunk = best.argmax(dim=-1, keepdim=True)  # the first slice holding the row's maximum
     return (chunk * slices.shape[-1] + where.gather(-1, chunk)).squeeze(-1)
@@ -196,15 +201,6 @@ _compiled_functions = {}
 # generates and tunes itself; cuBLAS GEMV is markedly slower on the 4096-wide shapes.
 INDUCTOR_OPTIONS = {"coordinate_descent_tuning": True, "fx_graph_cache": True}
 
-# Inductor times each tuning candidate with CUDA events around a launch from Python. A decode
-# step's kernels (1-60 µs) are shorter than that launch (20-50 µs of Python), so the events time
-# the launch and the picks are noise: on 2026-12-04 a 1.9 µs kernel "tuned" at 22-47 µs, and three
-# fresh processes picked w2 GEMVs that ran 34-45 µs a call after timing them within 8 % of each
-# other (docs/KERNEL_NOTES.md, session 22). With this on, the tuner reads each candidate's time
-# from the profiler's device clock instead (Inductor's own do_bench_using_profiling, which it
-# offers for its bandwidth reports); our SpMV tuner avoids the same trap with CUDA graphs.
-TUNE_ON_DEVICE_CLOCK = True
-
 
 def inductor_tuner_clock() -> str:
     """How Inductor's tuner times candidates in this process: 'device' once tune_on_device_clock()
@@ -216,9 +212,14 @@ def inductor_tuner_clock() -> str:
 
 def tune_on_device_clock() -> None:
     """Make Inductor's Triton autotuner (CachingAutotuner.bench, every config and coordinate-
-    descent candidate it times on a GPU) time with the profiler's device clock. Process-wide and
-    idempotent; leaves Inductor as it is, with a warning, if its bench() no longer takes the
-    with_profiler switch this relies on."""
+    descent candidate it times on a GPU) time with the profiler's device clock.
+
+    Inductor times each candidate with CUDA events around a launch from Python. A decode step's
+    kernels are shorter than that launch, so the events time the launch and the picks are noise;
+    the profiler's device clock times the kernel alone (Inductor's own do_bench_using_profiling).
+    Our SpMV tuner avoids the same trap with CUDA graphs. Process-wide and idempotent; leaves
+    Inductor as it is, with a warning, if its bench() no longer takes the with_profiler switch
+    this relies on."""
     from torch._inductor.runtime.triton_heuristics import CachingAutotuner
 
     if inductor_tuner_clock() == "device":
@@ -254,11 +255,10 @@ def compiled(fn, mode: Optional[str] = None, **compile_args):
     The options travel with this compile only (Inductor applies them as a config patch while it
     compiles), so importing or calling us leaves torch._inductor.config as the caller set it.
     torch.compile takes `mode` or `options`, not both, so the mode's own options are merged in.
-    Inductor's autotuner is switched to the device clock first (TUNE_ON_DEVICE_CLOCK), process-wide."""
+    Inductor's autotuner is switched to the device clock first (tune_on_device_clock), process-wide."""
     key = (fn, mode, tuple(sorted(compile_args.items())))
     if key not in _compiled_functions:
-        if TUNE_ON_DEVICE_CLOCK:
-            tune_on_device_clock()
+        tune_on_device_clock()
         options = {**(torch._inductor.list_mode_options(mode) if mode else {}), **INDUCTOR_OPTIONS}
         _compiled_functions[key] = torch.compile(fn, options=options, **compile_args)
     return _compiled_functions[key]
@@ -301,6 +301,9 @@ def generate(model: Transformer, prompts: Sequence[Tensor], max_new_tokens: int,
     max_new_tokens = min(max_new_tokens, context - prompt_width)
 
     model.setup_caches(batch_size, prompt_width + max_new_tokens)
+    on_cuda = device.type == "cuda"
+    if on_cuda:
+        install_decode_attention(model)
     pads = [prompt_width - n for n in lengths]
     tokens = torch.stack([torch.cat([torch.full((pad,), pad_id), p]) for p, pad in zip(prompts, pads)]).to(device)
 
@@ -309,7 +312,6 @@ def generate(model: Transformer, prompts: Sequence[Tensor], max_new_tokens: int,
     sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
     vocab_size = model.config.vocab_size
     noise = lambda: draw_noise(batch_size, vocab_size, temperature, generator, device)  # noqa: E731
-    on_cuda = device.type == "cuda"
     prefill_fn = compiled(prefill, fullgraph=True, dynamic=True) if compile_prefill else prefill
     decode_fn = decode_one_token
     if compile:
@@ -320,7 +322,7 @@ def generate(model: Transformer, prompts: Sequence[Tensor], max_new_tokens: int,
     sync = torch.cuda.synchronize if on_cuda else (lambda: None)
     # One-token attention over the cache is tiny; under compile, the math backend lets Inductor
     # fuse it with its neighbours instead of calling a separate kernel.
-    decode_attention = sdpa_kernel(SDPBackend.MATH) if compile else contextlib.nullcontext()
+    math_attention = sdpa_kernel(SDPBackend.MATH) if compile else contextlib.nullcontext()
     with left_padding(model, pads):
         sync()
         start = time.perf_counter()
@@ -335,7 +337,7 @@ def generate(model: Transformer, prompts: Sequence[Tensor], max_new_tokens: int,
         clock = StepClock(on_cuda)
         start = time.perf_counter()
         steps = 1
-        with decode_attention:
+        with math_attention:
             for step in _progress(range(1, max_new_tokens), progress):
                 if eos is not None and step % EOS_CHECK_INTERVAL == 0 and _every_row_ended(out[:, :step], eos):
                     break
@@ -415,9 +417,8 @@ def bytes_read_per_step(model: Transformer, batch_size: int) -> dict:
     weights: every linear (dense weight, or sparse values + masks), norms and the lm_head in
     full, but only the embedding rows looked up. kv_cache: the KV cache for `batch_size` rows
     over the *whole* allocated length, because the masked SDPA scores every slot and lets the
-    mask zero the future ones (like GPT-Fast). On CUDA the decode-attention kernels
-    (decode_attention.py) skip blocks of unused slots, so there this is an upper bound; in the
-    benchmarks' 512 + 256-token runs the difference is under 1 % of the step's bytes.
+    mask zero the future ones (like GPT-Fast). On CUDA the decode-attention kernel skips blocks
+    of unused slots, so there this is an upper bound.
     """
     weights = batch_size * model.tok_embeddings.weight[0].nbytes
     kv_cache, seen = 0, set()

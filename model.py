@@ -11,9 +11,10 @@ Layout choices that other modules rely on:
 - Every linear layer is a plain `nn.Linear`; `sparse.linear.swap_to_sparse` replaces them. Linear
   layers are called through `project`, which lets a SparseLinear take the norm before it, the
   residual add after it and FeedForward's silu(gate) * up into its decode kernel.
-- On CUDA a decode step (one query per sequence) attends through decode_attention.py's Triton
-  kernels (with decode_attention.FUSE_ROPE_AND_CACHE_WRITE they also apply RoPE and write the KV
-  cache); everything else (prefill, CPU) through `F.scaled_dot_product_attention`.
+- Attention is plain PyTorch (RoPE, the KV-cache write, `F.scaled_dot_product_attention`) unless
+  a decode-attention kernel is plugged into `Attention.decode_attention` from outside (generate.py
+  does so on CUDA): then a decode step hands it the projection's output whole, and it applies the
+  q/k norms and RoPE, writes the cache and attends in one call.
 """
 import math
 from dataclasses import asdict, dataclass
@@ -23,8 +24,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
-
-import decode_attention
 
 
 @dataclass
@@ -117,11 +116,8 @@ class KVCache(nn.Module):
 
     def update(self, input_pos: Tensor, k: Tensor, v: Tensor):
         # k, v: [B, H, T, D]; writing in place keeps the buffers static for CUDA graphs. The write
-        # indexes the whole buffer (rows, :, positions), not a slice [:B] of it: for a batch smaller
-        # than the cache, Inductor compiled an in-place write into the slice as a copy of the slice's
-        # whole cache out and back (seen in its output code), every layer and step: by arithmetic
-        # ~1.6 GB a step at batch 4 of 8 rows on Llama-3.1-8B. Measured after the fix: both engines'
-        # batch-4 steps 0.5-0.7 ms faster in that protocol (docs/BENCHMARKS.md, sessions 11-12).
+        # indexes the whole buffer, not a slice [:B] of it: for a batch smaller than the cache,
+        # Inductor compiles a write into a slice as a copy of the whole slice out and back.
         B = k.shape[0]
         rows = torch.arange(B, device=k.device)[:, None]
         self.k_cache[rows, :, input_pos[None, :]] = k.transpose(1, 2)  # indexed shape: [B, T, H, D]
@@ -166,8 +162,6 @@ class Transformer(nn.Module):
         # Left padding per batch row (a batch of prompts of different lengths): padded slots are
         # never attended and positions count from each row's first real token.
         self.register_buffer("left_pad", torch.zeros(max_batch_size, dtype=torch.long, device=device), persistent=False)
-        if device.type == "cuda":  # now, not inside a CUDA graph's warm-up (whose pool it would land in)
-            decode_attention.reserve_arrival_counters(device, max_batch_size * c.n_local_heads)
 
     def set_left_padding(self, pad: Optional[Tensor]):
         """pad[b] = number of pad tokens in front of row b's prompt (None: no padding)."""
@@ -184,8 +178,8 @@ class Transformer(nn.Module):
         slots = torch.arange(self.max_seq_length, device=idx.device)
         mask = self.causal_mask[input_pos][None, None] & (slots[None, :] >= pad)[:, None, None, :]  # [B,1,T,S]
         x = self.tok_embeddings(idx)
-        # The fused decode kernel indexes the whole tables and padding itself (decode_attention.py
-        # says why); in a step that uses it, cos, sin and mask go unused and compile away.
+        # A decode-attention plug looks up its rows of the whole tables and padding itself; in a
+        # step that uses it, cos, sin and mask go unused and compile away.
         decode_buffers = (self.rope_cos, self.rope_sin, self.left_pad)
         for layer in self.layers:
             x = layer(x, input_pos, cos, sin, mask, decode_buffers)
@@ -219,38 +213,35 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.kv_cache: Optional[KVCache] = None
+        # Plugged in from outside (generate.install_decode_attention); None: plain PyTorch. Called on
+        # a decode step as decode_attention(qkv [B, n_head + 2 n_local_heads, head_dim], rope_cos,
+        # rope_sin, left_pad, input_pos, k_cache, v_cache[, q_norm weight, k_norm weight, eps]), it
+        # applies the q/k norms and RoPE, writes k and v into the caches and returns [B, n_head, head_dim].
+        self.decode_attention = None
 
     def forward(self, x, input_pos, cos, sin, mask, norm=None, residual=None, decode_buffers=None):
         """residual + attention(norm(x)); norm and residual are optional. decode_buffers: the model's
-        (rope_cos, rope_sin, left_pad), for the decode step's fused kernel (None: not used)."""
+        (rope_cos, rope_sin, left_pad), for the decode-attention plug (None: not used)."""
         B, T, _ = x.shape
-        kv_size = self.n_local_heads * self.head_dim
         qkv = project(self.wqkv, x, norm=norm)
-        q, k, v = qkv.split([self.n_head * self.head_dim, kv_size, kv_size], dim=-1)
-        q = q.view(B, T, self.n_head, self.head_dim)
-        k = k.view(B, T, self.n_local_heads, self.head_dim)
-        v = v.view(B, T, self.n_local_heads, self.head_dim)
-        # A decode step on the GPU goes to flash-decoding kernels (decode_attention.py says why not SDPA).
-        decode_kernels = T == 1 and self.kv_cache is not None and decode_attention.handles(q)
-        if decode_kernels and decode_attention.FUSE_ROPE_AND_CACHE_WRITE and decode_buffers is not None:
-            # Qwen3's q/k norms, RoPE, the cache write and the causal/padding window inside the
-            # kernel, which takes the projection's output whole (its docstring says why).
+        if T == 1 and self.kv_cache is not None and self.decode_attention is not None and decode_buffers is not None:
+            # The projection's output whole: a plug that is a custom op would get a copy of each slice.
             norms = () if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
-            cache = self.kv_cache
-            y = decode_attention.decode_attention_with_cache_write(
-                qkv.view(B, -1, self.head_dim), *decode_buffers, input_pos, cache.k_cache, cache.v_cache, *norms)
-            y = y.unsqueeze(2)
+            y = self.decode_attention(qkv.view(B, -1, self.head_dim), *decode_buffers, input_pos,
+                                      self.kv_cache.k_cache, self.kv_cache.v_cache, *norms).unsqueeze(2)
         else:
+            kv_size = self.n_local_heads * self.head_dim
+            q, k, v = qkv.split([self.n_head * self.head_dim, kv_size, kv_size], dim=-1)
+            q = q.view(B, T, self.n_head, self.head_dim)
+            k = k.view(B, T, self.n_local_heads, self.head_dim)
+            v = v.view(B, T, self.n_local_heads, self.head_dim)
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
             if self.kv_cache is not None:  # None: a teacher-forced pass over whole sequences (prune/ replays blocks this way)
                 k, v = self.kv_cache.update(input_pos, k, v)
-            if decode_kernels:
-                y = decode_attention.decode_attention(q[:, :, 0], k, v, mask[:, 0, 0]).unsqueeze(2)
-            else:
-                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_head != self.n_local_heads)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_head != self.n_local_heads)
         return project(self.wo, y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim), residual=residual)
 
 
@@ -270,7 +261,7 @@ def project(linear: nn.Module, x: Tensor, norm: Optional[nn.Module] = None, resi
             gated: bool = False) -> Tensor:
     """residual + linear(prologue(x)): the prologue is norm(x), or silu(gate) * up for gated
     x = [gate | up]. A SparseLinear that can (a decode step on the GPU: `fuses`; sparse/linear.py
-    has the row thresholds) adds the residual in its SpMV kernel and, for fewer rows, also does the
+    has the route table) adds the residual in its SpMV kernel and, for fewer rows, also does the
     prologue there, saving the launches of separate norm, add and silu kernels; otherwise these
     are plain ops, which Inductor fuses with one another and, for nn.Linear, into its GEMV."""
     fuses = getattr(linear, "fuses", None)

@@ -2,6 +2,7 @@
 reference, batches of different-length prompts, EOS, and the CLI's error lines. CPU, tiny models."""
 import copy
 import inspect
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -44,38 +45,20 @@ def test_temperature_zero_is_argmax():
     assert torch.equal(generate.sample(logits, None, temperature=0.0), logits.argmax(-1))
 
 
-@pytest.mark.parametrize("chunks", [0, 7, 64])  # one argmax; slices not dividing V; more slices than a row's 50
+@pytest.mark.parametrize("chunks", [1, 7, 64])  # one slice; slices not dividing V; more slices than a row's 50
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_argmax_over_vocab_is_torch_argmax(chunks, dtype, monkeypatch):
-    monkeypatch.setattr(generate, "ARGMAX_CHUNKS", chunks)
+def test_argmax_over_vocab_is_torch_argmax(chunks, dtype):
     scores = torch.randn(6, 50).to(dtype)
     scores[1, 10:40] = float("-inf")
     scores[2] = scores[2].round()  # ties: the first maximum wins
     scores[3, [5, 30, 49]] = 9.0  # the maximum repeated across slices
     scores[4] = float("-inf")  # nothing kept: index 0, as torch.argmax
     scores[5, 49] = 9.0  # the last token
-    assert torch.equal(generate.argmax_over_vocab(scores), scores.argmax(dim=-1))
-    assert torch.equal(generate.argmax_over_vocab(scores.view(2, 3, 50)), scores.view(2, 3, 50).argmax(dim=-1))
+    assert torch.equal(generate.argmax_over_vocab(scores, chunks), scores.argmax(dim=-1))
+    assert torch.equal(generate.argmax_over_vocab(scores.view(2, 3, 50), chunks), scores.view(2, 3, 50).argmax(dim=-1))
     noise = generate.draw_noise(6, 50, 0.8, torch.Generator().manual_seed(1), "cpu")
-    monkeypatch.setattr(generate, "ARGMAX_CHUNKS", 0)
-    expected = generate.sample(scores.float(), noise, temperature=0.8, top_k=20)
-    monkeypatch.setattr(generate, "ARGMAX_CHUNKS", chunks)
-    assert torch.equal(generate.sample(scores.float(), noise, temperature=0.8, top_k=20), expected)
-
-
-@pytest.mark.parametrize("chunks", [0, 3, 7])  # one topk; slices wider than k that do not divide V
-def test_top_values_in_slices_are_torch_topk(chunks, monkeypatch):
-    monkeypatch.setattr(generate, "TOPK_CHUNKS", chunks)
-    x = torch.randn(4, 50)
-    x[1, :45] = float("-inf")  # fewer finite values than k
-    x[2] = x[2].round()  # ties
-    x[3, :12] = 5.0  # the k largest all in the first slice
-    for sorted in (False, True):
-        got, expected = generate.top_values(x, 6, sorted), torch.topk(x, 6, sorted=sorted).values
-        assert torch.equal(got if sorted else got.sort(dim=-1).values, expected if sorted else expected.sort(dim=-1).values)
-    assert torch.equal(generate.top_values(x, 20, True), torch.topk(x, 20).values)  # a slice narrower than k
-    x3 = x.view(2, 2, 50)  # leading dims, as logits_to_probs takes them
-    assert torch.equal(generate.top_values(x3, 6, True), torch.topk(x3, 6).values)
+    race = generate.kept_logits(scores.float(), 0.8, top_k=20) - noise.log()
+    assert torch.equal(generate.sample(scores.float(), noise, temperature=0.8, top_k=20), race.argmax(dim=-1))
 
 
 def test_top_k_keeps_exactly_the_k_largest():
@@ -151,6 +134,60 @@ def test_greedy_matches_float64_full_sequence_reference(kind):
     assert torch.equal(result.sequences[0], reference_greedy(model, prompt, 16))
     assert torch.equal(result.new_tokens[0], result.sequences[0][7:])
     assert result.decode_steps == 15 and len(result.step_times_s) == 15
+
+
+# --- the decode-attention plug --------------------------------------------------------------
+
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@pytest.mark.skipif(INTERPRETING, reason="this is the subprocess")
+def test_decode_attention_plug_under_the_interpreter():
+    """The plug's tests run the Triton kernel on CPU, in a fresh process with TRITON_INTERPRET=1 (Triton
+    reads it when a kernel is first defined); here, without it, nothing is plugged in."""
+    model = tiny_model()
+    assert not generate.install_decode_attention(model)
+    assert all(layer.attention.decode_attention is None for layer in model.layers)
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "plug"],
+                          env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess")
+@pytest.mark.parametrize("qk_norm", [False, True])  # Llama; Qwen3 (its q/k norms in the kernel)
+@torch.no_grad()
+def test_plug_decodes_the_logits_of_plain_pytorch(qk_norm):
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(block_size=64, vocab_size=48, n_layer=2, n_head=4, n_local_heads=2, dim=64,
+                                  intermediate_size=48, qk_norm=qk_norm)).eval()  # head_dim 16: the kernel's least
+    plain = copy.deepcopy(model)
+    for m in (model, plain):
+        m.setup_caches(2, 40)
+        m.set_left_padding(torch.tensor([0, 3]))
+    assert generate.install_decode_attention(model)
+    assert all(layer.attention.decode_attention is not None for layer in model.layers)
+    assert all(layer.attention.decode_attention is None for layer in plain.layers)
+    calls = []  # the decode steps' calls of the plug, one a layer and step
+    for layer in model.layers:
+        kernel = layer.attention.decode_attention
+        layer.attention.decode_attention = lambda *args, kernel=kernel: calls.append(1) or kernel(*args)
+    prompt = torch.randint(0, 48, (2, 9))
+    torch.testing.assert_close(model(prompt, torch.arange(9)), plain(prompt, torch.arange(9)))  # the prefill: SDPA
+    for position in range(9, 13):
+        token = torch.randint(0, 48, (2, 1))
+        at = torch.tensor([position])
+        torch.testing.assert_close(model(token, at), plain(token, at), atol=1e-4, rtol=1e-4)
+    assert len(calls) == 2 * 4
+    for ours, theirs in zip(model.layers, plain.layers):  # the plug wrote the same cache slots
+        torch.testing.assert_close(ours.attention.kv_cache.k_cache, theirs.attention.kv_cache.k_cache)
+        torch.testing.assert_close(ours.attention.kv_cache.v_cache, theirs.attention.kv_cache.v_cache)
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess")
+def test_plug_is_not_installed_for_a_head_dim_the_kernel_does_not_support():
+    model = tiny_model("qwen3")  # head_dim 12
+    assert not generate.install_decode_attention(model)
+    assert all(layer.attention.decode_attention is None for layer in model.layers)
 
 
 def test_batch_of_different_lengths_equals_each_prompt_alone():

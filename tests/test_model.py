@@ -177,3 +177,33 @@ def test_kv_cache_with_more_rows_than_the_batch_matches_an_exact_cache():
     cache = wide.layers[0].attention.kv_cache
     assert cache.k_cache[:3, :, :7].abs().sum() > 0 and not cache.k_cache[3:].any() and not cache.v_cache[3:].any()
     assert not cache.k_cache[:3, :, 7:].any()
+
+
+@torch.no_grad()
+def test_decode_attention_plug_takes_the_decode_steps_whole():
+    """A plug in Attention.decode_attention gets a decode step (one token a row, with a KV cache): the
+    qkv projection's output by head, the model's whole RoPE tables and padding, the position, the
+    layer's caches and Qwen3's q/k norm weights and eps; the prefill stays plain PyTorch."""
+    from model import ModelArgs
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(architecture="qwen3", dim=64, n_layer=2, n_head=4, n_local_heads=2, head_dim=16,
+                                  intermediate_size=96, vocab_size=50, block_size=32, qk_norm=True)).eval()
+    model.setup_caches(2, 32)
+    calls = []
+
+    def plug(qkv, rope_cos, rope_sin, left_pad, input_pos, k_cache, v_cache, q_norm_weight, k_norm_weight, eps):
+        calls.append((tuple(qkv.shape), rope_cos is model.rope_cos and rope_sin is model.rope_sin,
+                      left_pad is model.left_pad, input_pos.tolist(), k_cache, v_cache, q_norm_weight, eps))
+        return qkv.new_zeros(qkv.shape[0], 4, 16)
+
+    for layer in model.layers:
+        layer.attention.decode_attention = plug
+    tokens = torch.randint(0, 50, (2, 6))
+    model(tokens[:, :5], torch.arange(5))
+    assert calls == []
+    model(tokens[:, 5:], torch.tensor([5]))
+    assert [c[:4] for c in calls] == [((2, 4 + 2 * 2, 16), True, True, [5])] * 2
+    for call, layer in zip(calls, model.layers):
+        attention = layer.attention
+        assert call[4] is attention.kv_cache.k_cache and call[5] is attention.kv_cache.v_cache
+        assert call[6] is attention.q_norm.weight and call[7] == attention.q_norm.eps
