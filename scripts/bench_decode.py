@@ -4,6 +4,8 @@
         --patterns dense,2:4,4:8,8:16,16:32 --batch_sizes 1,4,8 --out runs/bench_decode
     python scripts/bench_decode.py --models Llama-3.1-8B --patterns dense --batch_sizes 1 --gptfast .gptfast
 
+scripts/gpu_benchmarks.sh runs the configurations behind docs/BENCHMARKS.md.
+
 Each model is a named shape (ModelArgs.from_name) with random bf16 weights made directly on the
 GPU; speed does not depend on the values, but zeros would flatter the hardware, so they are
 random. A sparse pattern keeps the N largest |w| of every M-group (a valid mask) via
@@ -14,8 +16,10 @@ decode step is one CUDA graph. The first generate() call compiles and warms up; 
 each decode step is timed with CUDA events and we report the median over the steps after the
 first `--warmup_steps`. Our dense model and our sparse model of a shape each run in a fresh
 process (`--same_process` runs both in this one; bench() says why). GB/s = bytes one step reads
-(generate.bytes_read_per_step: weights once, KV cache over all slots) / median step time. The bound speedup of a sparse pattern is dense
-bytes / sparse bytes at the same batch size: what a purely bandwidth-bound decode would gain.
+(generate.bytes_read_per_step: weights once, KV cache over all slots) / median step time. The
+bound speedup of a sparse pattern is dense bytes / sparse bytes at the same batch size: what a
+purely bandwidth-bound decode would gain. `--profile` also writes each configuration's GPU kernel
+time per decode step (scripts/kernel_profile.py) to OUT/profile_*.txt.
 
 `--gptfast DIR` also times GPT-Fast's own dense decode of the same shape, side by side: DIR holds
 a copy of pytorch-labs/gpt-fast, and scripts/gptfast_decode_driver.py builds its Transformer with
@@ -116,9 +120,8 @@ def bench(args, rows: list):
     """Appends a row per configuration to `rows` as it goes, so a failure keeps what was measured.
 
     Our dense model and our sparse model of a shape each run in a fresh process of their own (unless
-    --same_process), as a user runs one model per process and as GPT-Fast is run. In one process,
-    after the dense model, the 2:4 model's lm_head kernel took 432 us a step (2026-12-01, twice);
-    in fresh processes 229-231 us (2026-12-02, four runs): docs/BENCHMARKS.md."""
+    --same_process), as a user runs one model per process and as GPT-Fast is run: a model decoded
+    after another in the same process ran measurably slower (its lm_head, docs/BENCHMARKS.md)."""
     start = time.perf_counter()
     remaining = lambda: args.deadline_s - (time.perf_counter() - start)  # noqa: E731
     run_ours = bench_model if args.same_process else bench_model_in_child
@@ -212,67 +215,12 @@ def bench_model(name: str, sparse_patterns: list, remaining, args, rows: list):
             row.update(timing, **throughput(step_s, batch_size, step_bytes, args.copy_bandwidth),
                        bound_speedup=round(dense_bytes(name, batch_size, args) / step_bytes, 3),
                        checkpoint_gb=round(generate.state_dict_bytes(model) / 1e9, 2),
-                       peak_memory_gb=round(torch.cuda.max_memory_allocated() / 1e9, 2),
-                       pdl_l2_prefetch_mb=pdl_l2_prefetch_mb())
+                       peak_memory_gb=round(torch.cuda.max_memory_allocated() / 1e9, 2))
             if pattern == "dense":
                 row["speedup"] = 1.0
-            else:
-                row["spmv_configs"] = tuned_spmv_configs(batch_size)
-                row["spmm_configs"] = tuned_spmm_configs(batch_size)
-                row["spmm_fastest_by_stages"] = spmm_fastest_by_stages(batch_size)
-                row["decode_routes"] = measured_routes(batch_size)
             rows.append(row)
             print(json.dumps(row), flush=True)
     free(model)
-
-
-def pdl_l2_prefetch_mb() -> float:
-    """The L2 prefetch budget of the kernels' programmatic dependent launches in this process (the
-    sparse kernels and the attention, which dense runs too); 0: plain launches."""
-    from sparse import kernels
-    return kernels.PDL_L2_PREFETCH_BYTES / 2 ** 20 if kernels.programmatic_launch(torch.device("cuda")) else 0
-
-
-def tuned_spmv_configs(batch_size: int) -> dict:
-    """The SpMV config the autotuner chose in this process for each shape at this batch size, so
-    that runs of one code in different processes can be compared config by config."""
-    from sparse import kernels
-    return {f"{n_rows}x{32 * n_words}{' packed x' if pack_x else ''}{' ' + fusion if fusion else ''}": list(config)
-            for (n_rows, n_words, batch, _, pack_x, fusion, _), config in kernels._tuned_configs.items()
-            if batch == 1 << (batch_size - 1).bit_length()}
-
-
-def tuned_spmm_configs(batch_size: int) -> dict:
-    """The same for the tensor-core SpMM (decode batches from sparse.linear.spmm_min_rows rows)."""
-    from sparse import spmm
-    return {f"{n_rows}x{32 * n_words}{' 2:4' if two_of_four else ''}{' prefetched' if prefetched else ''}": list(config)
-            for (n_rows, n_words, tokens, _, _, two_of_four, prefetched), config in spmm._tuned_configs.items()
-            if tokens == batch_size}
-
-
-def spmm_fastest_by_stages(batch_size: int) -> dict:
-    """For each SpMM shape tuned at this batch size: the fastest candidate's µs a call for each
-    K-loop depth (stages 1: the hand loop; more: Triton's pipeline), as the tuner timed them, so
-    a pick can be set beside how far the other loop was behind."""
-    from sparse import spmm
-    fastest = {}
-    for (n_rows, n_words, tokens, _, _, two_of_four, _), times in spmm.candidate_times.items():
-        if tokens != batch_size:
-            continue
-        by_stages = fastest.setdefault(f"{n_rows}x{32 * n_words}{' 2:4' if two_of_four else ''}", {})
-        for config, us in times.items():
-            stages = config[-1]
-            by_stages[stages] = round(min(by_stages.get(stages, float("inf")), us), 2)
-    return fastest
-
-
-def measured_routes(batch_size: int) -> dict:
-    """Which kernel (SpMV, SpMM or the sparse tensor cores) each shape's matmul went to at this batch
-    size where the route was measured (sparse.linear.MEASURED_ROUTE)."""
-    from sparse import linear
-    return {f"{key.out_features}x{32 * key.in_words}{' 2:4' if key.two_of_four else ''}"
-            f"{' +residual' if key.residual else ''}{' +' + key.prologue if key.prologue else ''}": kernel
-            for key, kernel in linear._routes.items() if key.rows == batch_size}
 
 
 def bench_gptfast(name: str, dense_step_s: dict, remaining, args, rows: list):
@@ -328,10 +276,11 @@ def parse_args(argv=None):
     p.add_argument("--temperature", type=float, default=0.8, help="GPT-Fast's defaults, for a like-for-like run")
     p.add_argument("--top_k", type=int, default=200)
     p.add_argument("--top_p", type=float, default=None)
-    p.add_argument("--copy_bandwidth", type=float, default=4.27e12, help="measured device copy, bytes/s")
+    p.add_argument("--copy_bandwidth", type=float, default=4.27e12,
+                   help="the GPU's device-to-device copy, bytes/s (default: the H200's, docs/BENCHMARKS.md)")
     p.add_argument("--gptfast", type=Path, help="a copy of pytorch-labs/gpt-fast: time its dense decode side by side")
     p.add_argument("--gptfast_timeout_s", type=float, default=600,
-                   help="GPT-Fast's first compile alone took over 147 s on a fresh H200 machine")
+                   help="its first compile takes minutes on a fresh machine")
     p.add_argument("--deadline_s", type=float, default=float("inf"), help="start nothing new after this long")
     p.add_argument("--profile", action="store_true",
                    help="after timing, profile one more call: kernel time per decode step into OUT/profile_*.txt")

@@ -68,7 +68,7 @@ def main():
     prompt = torch.randint(0, model.config.vocab_size, (args.batch_size, args.prompt_length), device=args.device)
 
     # GPT-Fast's generate() is @torch.no_grad(); without it autograd keeps every step's activations
-    # (80 GB peak) and CUDA-graph trees re-record each step: 536 ms a step on the H200, 2026-12-02.
+    # and CUDA-graph trees re-record each step.
     @torch.no_grad()
     def generation(timed: bool):
         input_pos = torch.arange(0, args.prompt_length, device=args.device)

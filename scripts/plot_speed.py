@@ -10,13 +10,13 @@ date in the name), three figures:
   Input: scripts/bench_decode.py's bench_decode.json, any number of them.
 - kernel: one panel per batch size, each shape's speedup over cuBLAS with issue 3's goal line.
   Input: scripts/bench_kernel.py's --out-json.
-- dense spread: our dense engine's step time in every fresh process, in named groups (e.g. how
-  Inductor's tuner timed its candidates), against issue 2's 80 %-of-copy line. Input: --spread
-  'GROUP=FILE,FILE...' (bench_decode.json files; their dense rows of our engine at batch 1).
+- dense spread: our dense engine's step time in every fresh process, in named groups, against
+  issue 2's 80 %-of-copy line. Input: --spread 'GROUP=FILE,FILE...' (bench_decode.json files; their
+  dense rows of our engine at batch 1; gpu_benchmarks.sh dense_spread writes three).
 
-    python scripts/plot_speed.py --decode docs/results/speed/2026-12-04_*decode*.json \\
-        --kernel docs/results/speed/2026-12-04_kernel_table_b1.json --label "H200, 2026-12-04" --out docs/results/speed \\
-        --spread "tuned on CUDA events=A.json,B.json" "tuned on the device clock=C.json,D.json"
+    python scripts/plot_speed.py --decode runs/gpu_benchmarks/decode_*/bench_decode.json \\
+        --kernel runs/gpu_benchmarks/kernel_b1/table.json --label "H200" --out docs/results/speed \\
+        --spread "fresh processes=$(echo runs/gpu_benchmarks/dense_spread/run*/bench_decode.json | tr ' ' ,)"
 """
 import argparse
 import json
