@@ -56,21 +56,27 @@ kernel_chain() {
 attention() { $PYTHON scripts/bench_attention.py --out-md "$JOB/attention.md" --out-json "$JOB/attention.json"; }
 
 # End-to-end decode through generate(), each model in a fresh process ("Dense and end-to-end decode").
+# bench_decode starts nothing new after STOP_S (4/5 of the section's limit), so it writes its tables in time.
 decode_b1() {
   local gptfast=()
   [[ -f $GPTFAST/generate.py ]] && gptfast=(--gptfast "$GPTFAST" --gptfast_timeout_s 240)
   GPTFAST_PROFILE="$JOB/profile_gptfast.txt" $PYTHON scripts/bench_decode.py --models Llama-3.1-8B \
-    --patterns dense,2:4,4:8,8:16,16:32 --batch_sizes 1 --profile "${gptfast[@]}" --out "$JOB"
+    --patterns dense,2:4,4:8,8:16,16:32 --batch_sizes 1 --profile "${gptfast[@]}" --deadline_s "$STOP_S" --out "$JOB"
 }
 decode_batches() {
-  $PYTHON scripts/bench_decode.py --models Llama-3.1-8B --patterns dense,2:4 --batch_sizes 4,8 --out "$JOB"
+  $PYTHON scripts/bench_decode.py --models Llama-3.1-8B --patterns dense,2:4 --batch_sizes 4,8 \
+    --deadline_s "$STOP_S" --out "$JOB"
 }
-decode_b16() { $PYTHON scripts/bench_decode.py --models Llama-3.1-8B --patterns dense,2:4 --batch_sizes 16 --out "$JOB"; }
+decode_b16() {
+  $PYTHON scripts/bench_decode.py --models Llama-3.1-8B --patterns dense,2:4 --batch_sizes 16 \
+    --deadline_s "$STOP_S" --out "$JOB"
+}
 decode_qwen3() {
-  $PYTHON scripts/bench_decode.py --models Qwen3-8B,Qwen3-14B --patterns dense,2:4 --batch_sizes 1 --out "$JOB"
+  $PYTHON scripts/bench_decode.py --models Qwen3-8B,Qwen3-14B --patterns dense,2:4 --batch_sizes 1 \
+    --deadline_s "$STOP_S" --out "$JOB"
 }
 decode_qwen3_32b() {
-  $PYTHON scripts/bench_decode.py --models Qwen3-32B --patterns dense,2:4 --batch_sizes 1 --out "$JOB"
+  $PYTHON scripts/bench_decode.py --models Qwen3-32B --patterns dense,2:4 --batch_sizes 1 --deadline_s "$STOP_S" --out "$JOB"
 }
 # Our dense decode in three fresh processes, each tuning Inductor's kernels anew in a cache of its own.
 dense_spread() {
@@ -119,7 +125,7 @@ case ${1:-} in
     select_sections "$@"
     for section in "${chosen[@]}"; do declare -f "$section"; done
     exit 0 ;;
-  --run) select_sections "$2"; JOB=$3 "${chosen[0]}"; exit $? ;;  # one section, in the process `timeout` limits
+  --run) select_sections "$2"; JOB=$3 STOP_S=$(($4 * 4 / 5)) "${chosen[0]}"; exit $? ;;  # in the process `timeout` limits
   -h | --help) usage; exit 0 ;;
   -*) usage >&2; exit 2 ;;
 esac
@@ -152,7 +158,7 @@ run_queue() {  # GPU $1 runs sections $1, $1 + gpus, ... one after another
       if ((limit < 20)); then echo "skipped: past DEADLINE_S" > "$log"; continue; fi
     fi
     echo "[gpu $gpu] $section (limit ${limit}s)" > "$log"
-    CUDA_VISIBLE_DEVICES=$gpu timeout -k 5 "$limit" bash "$0" --run "$section" "$OUT/$section" >> "$log" 2>&1 < /dev/null
+    CUDA_VISIBLE_DEVICES=$gpu timeout -k 5 "$limit" bash "$0" --run "$section" "$OUT/$section" "$limit" >> "$log" 2>&1 < /dev/null
     echo "[gpu $gpu] $section: exit $? after $((SECONDS - start))s" >> "$log"
   done
 }
