@@ -39,7 +39,9 @@ from tqdm import tqdm
 from checkpoint import atomic_write
 from evaluation.data import data_path, read_jsonl, write_json_atomic
 from evaluation.generation import USER_ERRORS
-from prune.calibration import CalibrationError
+from prune import (CalibrationError, CalibrationSet, calibrate_by_decoding, prune_model, read_source,
+                   text_windows)
+from prune.calibration import read_documents
 
 CALIBRATIONS = ("text", "decode")  # the C4 baseline, the paper's method
 CALIB_LABEL = {"text": "C4", "decode": "decode-aware"}
@@ -88,8 +90,6 @@ def c4_heldout(tokenizer, path, n_tokens: int, seeds, tokens: int, window_len: i
     """The first n_tokens of the documents of a C4 calibration file that no text calibration at these
     seeds and budget reads (in file order, joined by blank lines as evaluation.perplexity reads jsonl),
     and a record of the split."""
-    from prune.calibration import read_documents
-
     documents = read_documents(path)
     excluded = c4_calibration_documents(tokenizer, documents, seeds, tokens, window_len)
     kept = [i for i in range(len(documents)) if i not in excluded]
@@ -142,8 +142,6 @@ def prune(args, method, pattern, calib, seed, calib_prompts: Path, out: Path):
     cached_calibration). The command and timings go to <out>.log."""
     if out.exists():
         return
-    from prune import prune_model, read_source
-
     options = prune_options(args.prune_args)
     started = time.perf_counter()
     source = read_source(args.checkpoint)  # the cell's one read of the checkpoint
@@ -168,8 +166,6 @@ def cached_calibration(args, source, calib: str, seed: int, calib_prompts: Path)
     the same for every backend and pattern at one seed and budget, and on a CPU the slowest part of a
     cell, so it is made once and kept in --calibration_cache (default: the workdir) under a name derived
     from what decides the generation and the prompts; text windows are cut afresh (seconds)."""
-    from prune import calibrate_by_decoding, text_windows
-    from prune.calibration import CalibrationSet
     from tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(source.tokenizer_dir())
