@@ -2,8 +2,8 @@
 pattern, over seeds, on decode fidelity, perplexity and (optionally) task scores; a paper-style table
 and a plot.
 
-For every (method, pattern, calibration, seed) it prunes the dense checkpoint with prune/'s driver,
-exactly as `python -m prune` would (skipped when the output already exists, so a run can be resumed
+For every (method, pattern, calibration, seed) it prunes the dense checkpoint with prune's public
+functions, as `python -m prune` would (skipped when the output already exists, so a run can be resumed
 or extended), then evaluates it; each checkpoint's metrics are cached as JSON next to it, and each
 decode calibration (the dense model's generations, shared by every backend and pattern at one seed)
 is cached in the workdir. Both calibrations get the same token budget: --tokens decode-step tokens
@@ -39,7 +39,9 @@ from tqdm import tqdm
 from checkpoint import atomic_write
 from evaluation.data import data_path, read_jsonl, write_json_atomic
 from evaluation.generation import USER_ERRORS
-from prune.calibration import CalibrationError
+from prune import (CalibrationError, CalibrationSet, calibrate_by_decoding, prune_model, read_source,
+                   text_windows)
+from prune.calibration import read_documents
 
 CALIBRATIONS = ("text", "decode")  # the C4 baseline, the paper's method
 CALIB_LABEL = {"text": "C4", "decode": "decode-aware"}
@@ -88,8 +90,6 @@ def c4_heldout(tokenizer, path, n_tokens: int, seeds, tokens: int, window_len: i
     """The first n_tokens of the documents of a C4 calibration file that no text calibration at these
     seeds and budget reads (in file order, joined by blank lines as evaluation.perplexity reads jsonl),
     and a record of the split."""
-    from prune.calibration import read_documents
-
     documents = read_documents(path)
     excluded = c4_calibration_documents(tokenizer, documents, seeds, tokens, window_len)
     kept = [i for i in range(len(documents)) if i not in excluded]
@@ -106,9 +106,12 @@ def run_name(method: str, pattern: str, calib: str, seed: int) -> str:
     return f"{method}-{pattern.replace(':', 'of').replace('%', 'pct')}-{calib}-seed{seed}"
 
 
+# compare's own sampling for decoding-aware calibration: python -m prune's defaults, the paper's.
+SAMPLING = dict(temperature=0.7, top_k=20, top_p=0.8)
+
+
 def prune_argv(args, method, pattern, calib, seed, calib_prompts: Path, out: Path) -> list[str]:
-    """The `python -m prune` arguments of one cell."""
-    # Every flag whose default prune's main() would resolve is given, since the cell bypasses main().
+    """The `python -m prune` arguments that make the same checkpoint as one cell (written to its log)."""
     source = ["--prompts", str(calib_prompts), "--max_new_tokens", str(args.calib_max_new_tokens),
               "--batch_size", str(args.calib_batch_size)] if calib == "decode" \
         else ["--text", str(data_path("c4_sample.jsonl")), "--seq_len", str(args.calib_seq_len)]
@@ -117,56 +120,71 @@ def prune_argv(args, method, pattern, calib, seed, calib_prompts: Path, out: Pat
             *args.prune_args]
 
 
+def prune_options(prune_args: list[str]) -> dict:
+    """compare's --prune_args (flags of python -m prune) as prune_model's keywords, plus
+    count_first_token; a flag that a grid cannot vary is refused."""
+    parser = argparse.ArgumentParser(prog="--prune_args", add_help=False, argument_default=argparse.SUPPRESS)
+    parser.add_argument("--one-shot", "--one_shot", dest="one_shot", action="store_true")
+    parser.add_argument("--count_first_token", action="store_true", default=False)
+    parser.add_argument("--include", nargs="+")
+    parser.add_argument("--exclude", nargs="+")
+    parser.add_argument("--batch_tokens", type=int)
+    options, unknown = parser.parse_known_args(prune_args)
+    if unknown:
+        raise ValueError(f"--prune_args: cannot pass on {' '.join(unknown)} (only --one_shot, --count_first_token, "
+                         f"--include, --exclude and --batch_tokens)")
+    return vars(options)
+
+
 def prune(args, method, pattern, calib, seed, calib_prompts: Path, out: Path):
-    """Prune one cell (skipped when its checkpoint exists) with prune/'s own argument parsing and driver,
-    so the cell is exactly `python -m prune <argv>`, except that the decode calibration comes from the
-    cache (see cached_calibration). The command and timings go to <out>.log."""
+    """Prune one cell (skipped when its checkpoint exists) with prune's public functions, as `python -m
+    prune <prune_argv>` would, except that the decode calibration comes from the cache (see
+    cached_calibration). The command and timings go to <out>.log."""
     if out.exists():
         return
-    from prune.run import parse_args, prune_model
-
-    argv = prune_argv(args, method, pattern, calib, seed, calib_prompts, out)
-    prune_args = parse_args(argv)
+    options = prune_options(args.prune_args)
     started = time.perf_counter()
-    calibration = cached_calibration(args.calibration_cache or args.workdir, prune_args)
-    if prune_args.count_first_token:  # as prune/run.py's main() does; the cached set stays decode-only
+    source = read_source(args.checkpoint)  # the cell's one read of the checkpoint
+    calibration = cached_calibration(args, source, calib, seed, calib_prompts)
+    if options.pop("count_first_token"):  # as python -m prune does; the cached set stays decode-only
         calibration = calibration.with_first_positions()
     calibration_seconds = time.perf_counter() - started
-    metadata = prune_model(prune_args.checkpoint, calibration, method, pattern, out, device=prune_args.device,
-                           one_shot=prune_args.one_shot, include=prune_args.include, exclude=prune_args.exclude,
-                           batch_tokens=prune_args.batch_tokens, seed=prune_args.seed)
-    summary = (f"python -m prune {' '.join(argv)}\n{metadata['calibration']['counted_tokens']} calibration tokens "
+    pruned = prune_model(source.model, calibration, method, pattern, device=args.device, seed=seed,
+                         metadata=source.provenance(), **options)
+    pruned.save(out)
+    metadata = pruned.metadata
+    summary = (f"python -m prune {' '.join(prune_argv(args, method, pattern, calib, seed, calib_prompts, out))}\n"
+               f"{metadata['calibration']['counted_tokens']} calibration tokens "
                f"({metadata['calibration'].get('reused_from', 'made for this cell')}); calibration "
                f"{calibration_seconds:.1f} s, pruning {metadata['timing']['prune_seconds']:.1f} s\n")
     out.with_suffix(".log").write_text(summary)
     tqdm.write(summary)
 
 
-# prune/ flags that decide what a decode calibration generates
-GENERATION_FLAGS = ("checkpoint", "generator", "tokens", "max_new_tokens", "seed", "batch_size", "temperature", "top_k",
-                    "top_p", "greedy", "device")
+def cached_calibration(args, source, calib: str, seed: int, calib_prompts: Path):
+    """The calibration set of one cell. A decoding-aware one is a seeded generation by the dense model:
+    the same for every backend and pattern at one seed and budget, and on a CPU the slowest part of a
+    cell, so it is made once and kept in --calibration_cache (default: the workdir) under a name derived
+    from what decides the generation and the prompts; text windows are cut afresh (seconds)."""
+    from tokenizer import load_tokenizer
 
-
-def cached_calibration(cache_dir: Path, prune_args):
-    """prune/'s calibration set for these flags. A decoding-aware one is a seeded generation by the dense
-    model: the same for every backend and pattern at one seed and budget, and on a CPU the slowest part
-    of a cell, so it is made once and kept in cache_dir under a name derived from the flags and the
-    prompts; text windows are cut afresh (seconds)."""
-    from prune.calibration import CalibrationSet
-    from prune.run import build_calibration, load_model_on_cpu
-
-    _, config, _ = load_model_on_cpu(prune_args.checkpoint)
-    device = torch.device(prune_args.device)
-    if prune_args.calib == "text":
-        return build_calibration(prune_args, config, device)
-    key = {flag: str(getattr(prune_args, flag)) for flag in GENERATION_FLAGS}
-    key["prompts_sha256"] = hashlib.sha256(Path(prune_args.prompts).read_bytes()).hexdigest()
+    tokenizer = load_tokenizer(source.tokenizer_dir())
+    if calib == "text":
+        return text_windows(tokenizer, data_path("c4_sample.jsonl"), args.tokens, args.calib_seq_len, seed)
+    # Named as python -m prune names these settings, so the cache files keep their names.
+    key = dict(checkpoint=str(args.checkpoint), generator="None", tokens=str(args.tokens),
+               max_new_tokens=str(args.calib_max_new_tokens), seed=str(seed), batch_size=str(args.calib_batch_size),
+               **{name: str(value) for name, value in SAMPLING.items()}, greedy="False", device=str(args.device))
+    key["prompts_sha256"] = hashlib.sha256(Path(calib_prompts).read_bytes()).hexdigest()
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
-    path = Path(cache_dir) / f"calibration-decode-{prune_args.tokens}tok-seed{prune_args.seed}-{digest}.pt"
+    path = Path(args.calibration_cache or args.workdir) / f"calibration-decode-{args.tokens}tok-seed{seed}-{digest}.pt"
     if path.exists():
         saved = torch.load(path, weights_only=True)
         return CalibrationSet(saved["sequences"], saved["counted"], dict(saved["info"], reused_from=str(path)))
-    calibration = build_calibration(prune_args, config, device)
+    device = torch.device(args.device)
+    calibration = calibrate_by_decoding(source, tokenizer, calib_prompts, args.tokens, args.calib_max_new_tokens,
+                                        device=device, seed=seed, batch_size=args.calib_batch_size, **SAMPLING,
+                                        compile=device.type == "cuda")
     atomic_write(path, lambda tmp: torch.save(dict(key=key, sequences=calibration.sequences,
                                                    counted=calibration.counted, info=calibration.info), tmp))
     return calibration
@@ -312,7 +330,8 @@ def main():
     parser.add_argument("--calibration_cache", type=Path,
                         help="folder of cached decode calibrations (default: --workdir); share it between workdirs")
     parser.add_argument("--prune_args", nargs=argparse.REMAINDER, default=[],
-                        help="passed on to python -m prune (put last)")
+                        help="pruning flags of python -m prune: --one_shot, --count_first_token, --include, "
+                             "--exclude, --batch_tokens (put last)")
     parser.add_argument("--heldout_writing", type=int, default=20, help="LongBench-Write prompts held out (at most 20)")
     parser.add_argument("--heldout_code", type=int, default=10, help="HumanEval prompts held out")
     parser.add_argument("--max_new_tokens", type=int, default=128, help="length of the dense reference generations")
@@ -335,6 +354,7 @@ def main():
     parser.add_argument("--table", type=Path, help="markdown table")
     args = parser.parse_args()
     try:
+        prune_options(args.prune_args)  # a bad flag stops the grid before any work
         results = run_grid(args)
     except (*USER_ERRORS, CalibrationError) as e:
         sys.exit(f"error: {e}")

@@ -231,7 +231,7 @@ def generation_calibration(model, prompts: list, n_tokens: int, max_new_tokens: 
     With compile=True every generate() call has the same shape (batch_size rows, max_new_tokens
     steps, one KV cache sized for the longest prompt up front), so the CUDA-graphed decode step is
     compiled once: a new batch size or cache length, or even a shorter output buffer (its stride
-    is part of the compiled step's guards), would recompile it (~2 min for an 8B model). Rows and
+    is part of the compiled step's guards), would recompile it (minutes for an 8B model). Rows and
     steps past what is needed are generated and dropped, which costs little next to a compile.
     Without compile a batch is no larger, and runs no longer, than the remaining budget needs."""
     from generate import generate  # imported here: text calibration must not need the generation stack

@@ -28,12 +28,17 @@ Packed output: N:M linears become `<name>.values` + `<name>.mask` (sparse.pack, 
 the device right after each solve); unstructured ones stay dense with their zeros. Everything
 else is copied from the source.
 
-Scale (Llama-3.1-8B, 1M decode tokens + their prompts, ~1.5M replayed tokens): one set of
-activations is ~12 GB in bf16 and stays on the GPU; the replays are ~2 block forwards per block
-in bf16; H accumulates on the tensor cores (prune/calibration.py); SparseGPT's column walk is
-~27k sequential steps per block, bound by kernel launches. scripts/bench_prune.py times it.
+At scale (an 8B model, a million decode tokens and their prompts) one set of activations runs to
+gigabytes and stays on the GPU when it fits (pick_activation_device); the
+replays are about two block forwards per block, H accumulates on the tensor cores
+(prune/calibration.py), and SparseGPT's column walk is bound by kernel launches.
+scripts/bench_prune.py times it.
+
+Public: read_source (the one read of a checkpoint), calibrate_by_decoding, prune_model -> a
+PrunedCheckpoint to save; main() is `python -m prune` over them.
 """
 import argparse
+import copy
 import fnmatch
 import resource
 import sys
@@ -46,7 +51,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from model import Transformer, precompute_rope
+from model import ModelArgs, Transformer, precompute_rope
 from prune.calibration import (CalibrationError, CalibrationSet, InputStatistics, decode_calibration,
                                download_c4_shard, read_prompts, text_windows)
 from prune.magnitude import magnitude_prune
@@ -65,15 +70,40 @@ METHODS = {
 }
 
 
-def load_model_on_cpu(checkpoint):
-    """(Transformer whose weights are the checkpoint's memory-mapped CPU tensors, config, metadata)."""
+@dataclass
+class Source:
+    """A dense checkpoint read for pruning: its model, whose weights are the checkpoint's
+    memory-mapped CPU tensors in the checkpoint's own dtype, and the checkpoint's metadata."""
+    path: Path
+    model: Transformer
+    metadata: dict
+
+    def tokenizer_dir(self) -> Path:
+        """Where the source's tokenizer is: beside it, or where its metadata points (FileNotFoundError if nowhere)."""
+        from tokenizer import find_tokenizer  # the generation stack, needed only for calibration
+        return Path(find_tokenizer(self.path, self.metadata)).resolve()
+
+    def provenance(self) -> dict:
+        """What a pruned checkpoint's metadata starts from: the source's own, where it came from, and
+        where its tokenizer is, so a pruned checkpoint written elsewhere finds it (the source's folder
+        if it has none)."""
+        try:
+            tokenizer_dir = self.tokenizer_dir()
+        except FileNotFoundError:
+            tokenizer_dir = self.path.resolve().parent
+        return dict(self.metadata, source_checkpoint=str(self.path.resolve()), tokenizer_dir=str(tokenizer_dir))
+
+
+def read_source(checkpoint) -> Source:
+    """Read a dense checkpoint to prune: the one read of it in a run. Not generate.load_model, which
+    casts to one dtype and drops the metadata: the pruned checkpoint keeps the source's dtype and
+    inherits its metadata, and the weights stay memory-mapped until their block is pruned."""
     state_dict, config, metadata = load_checkpoint(checkpoint, mmap=True)
     if "sparsity" in metadata:
         raise CheckpointError(f"{checkpoint} is already pruned ({metadata['sparsity'].get('pattern')}); "
                               f"prune the dense source checkpoint")
     if config.tie_embeddings:  # a tied checkpoint may store the shared matrix once
-        state_dict = dict(state_dict)
-        state_dict.setdefault("output.weight", state_dict.get("tok_embeddings.weight"))
+        state_dict = {"output.weight": state_dict.get("tok_embeddings.weight"), **state_dict}
     with torch.device("meta"):
         model = Transformer(config)
     missing, unexpected = model.load_state_dict(state_dict, strict=False, assign=True)
@@ -82,7 +112,7 @@ def load_model_on_cpu(checkpoint):
                               f"unexpected {unexpected[:3]}")
     if config.tie_embeddings:  # assign=True set the two parameters separately
         model.output.weight = model.tok_embeddings.weight
-    return model, config, metadata
+    return Source(Path(checkpoint), model, metadata)
 
 
 def selected_linears(model, pattern: str, include, exclude) -> list:
@@ -285,20 +315,30 @@ def prune_layers(model, calibration: CalibrationSet, method: str, pattern: str, 
     return PruneResult(pruned_names, packed, seconds, peak_memory_bytes(device))
 
 
-def prune_model(checkpoint, calibration: CalibrationSet, method: str, pattern: str, out, *, device="cpu",
-                one_shot=False, include=("layers.*",), exclude=(), batch_tokens=8192, seed=0):
-    """Prune the block linears of `checkpoint` on `calibration` and write the packed checkpoint to
-    `out` (atomically). Returns the metadata written."""
-    model, config, source_metadata = load_model_on_cpu(checkpoint)
+@dataclass
+class PrunedCheckpoint:
+    state_dict: dict  # the source's, each pruned N:M linear as `<name>.values` + `<name>.mask`
+    config: ModelArgs
+    metadata: dict  # the source's provenance + sparsity, method, calibration, timing, seed
+
+    def save(self, path):
+        """Write the checkpoint (and config.json beside it) atomically: an interrupted save leaves nothing."""
+        save_checkpoint(path, self.state_dict, self.config, self.metadata)
+
+
+def prune_model(model, calibration: CalibrationSet, method: str = "sparsegpt", pattern: str = "2:4", *,
+                device="cpu", one_shot=False, include=("layers.*",), exclude=(), batch_tokens=8192, seed=0,
+                metadata=None) -> PrunedCheckpoint:
+    """Prune the block linears of `model` (in place) that match an `include` glob and no `exclude`
+    glob, on `calibration`, block by block on `device`, and return the packed checkpoint. Its
+    metadata starts from `metadata` (Source.provenance() for a model from read_source) and adds
+    the pruning's own record; `seed` is recorded as the seed the calibration was made with."""
     names = selected_linears(model, pattern, include, exclude)
     result = prune_layers(model, calibration, method, pattern, names, device=device, one_shot=one_shot,
                           batch_tokens=batch_tokens)
-    metadata = dict(source_metadata)
-    metadata.update(pruned_metadata(result, calibration, method, pattern, one_shot, device),
-                    seed=seed, source_checkpoint=str(Path(checkpoint).resolve()),
-                    tokenizer_dir=source_tokenizer_dir(checkpoint, source_metadata))
-    save_checkpoint(out, packed_state_dict(model, result), config, metadata)
-    return metadata
+    record = dict(metadata or {})
+    record.update(pruned_metadata(result, calibration, method, pattern, one_shot, device), seed=seed)
+    return PrunedCheckpoint(packed_state_dict(model, result), model.config, record)
 
 
 def pruned_metadata(result: PruneResult, calibration: CalibrationSet, method, pattern, one_shot, device) -> dict:
@@ -314,16 +354,6 @@ def pruned_metadata(result: PruneResult, calibration: CalibrationSet, method, pa
                     solve_seconds=result.seconds["solve"], peak_memory_bytes=result.peak_memory_bytes,
                     device=str(device)),
     )
-
-
-def source_tokenizer_dir(checkpoint, source_metadata) -> str:
-    """Where the source's tokenizer lives (beside it, or where its metadata points), so the pruned
-    checkpoint written elsewhere finds it; the source's folder if it has none."""
-    from tokenizer import find_tokenizer
-    try:
-        return str(Path(find_tokenizer(checkpoint, source_metadata)).resolve())
-    except FileNotFoundError:
-        return str(Path(checkpoint).resolve().parent)
 
 
 def packed_state_dict(model, result: PruneResult):
@@ -343,33 +373,46 @@ def peak_memory_bytes(device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-# ---------------------------------------------------------------------------- command line
-
-def build_calibration(args, config, device) -> CalibrationSet:
-    from tokenizer import find_tokenizer, load_tokenizer  # the generation stack, needed only here
-
-    tokenizer = load_tokenizer(find_tokenizer(args.checkpoint))  # the generator must share it (vocab checked below)
-    if args.calib == "text":
-        path = download_c4_shard() if args.text == "c4" else args.text
-        return text_windows(tokenizer, path, args.tokens, args.seq_len, args.seed)
-    from generate import load_model
-
-    prompts = read_prompts(args.prompts)
-    generator_path = args.generator or args.checkpoint
-    generator = load_model(generator_path, device, torch.float32 if device.type == "cpu" else torch.bfloat16)
-    if generator.config.vocab_size != config.vocab_size:
-        raise CalibrationError(f"--generator {args.generator} has a vocabulary of {generator.config.vocab_size} "
-                               f"tokens, the pruned model {config.vocab_size}: they must share a tokenizer")
-    temperature = 0.0 if args.greedy else args.temperature
-    calibration = decode_calibration(generator, tokenizer, prompts, args.tokens, args.max_new_tokens,
-                                     temperature=temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                                     batch_size=args.batch_size, compile=device.type == "cuda" and not args.no_compile)
-    calibration.info.update(prompt_file=str(args.prompts), generator=str(Path(generator_path).resolve()))
-    del generator
+def calibrate_by_decoding(source: Source, tokenizer, prompts_file, tokens: int, max_new_tokens: int, *, device,
+                          generator=None, seed=0, batch_size=16, temperature=0.7, top_k=20, top_p=0.8,
+                          compile=False) -> CalibrationSet:
+    """Decoding-aware calibration for `source`: `generator` (a checkpoint with the same tokenizer;
+    by default the source model itself, copied to `device`) answers the prompts of `prompts_file`
+    in its chat template, and only its decode steps are counted (prune.calibration)."""
+    device = torch.device(device)
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    if generator is None:  # a copy, so the source keeps its dtype and memory map for the pruning
+        model = copy.deepcopy(source.model).to(device=device, dtype=dtype)
+    else:
+        from generate import load_model  # the generation stack, needed only here
+        model = load_model(generator, device, dtype)
+        if model.config.vocab_size != source.model.config.vocab_size:
+            raise CalibrationError(f"--generator {generator} has a vocabulary of {model.config.vocab_size} tokens, "
+                                   f"the pruned model {source.model.config.vocab_size}: they must share a tokenizer")
+    calibration = decode_calibration(model, tokenizer, read_prompts(prompts_file), tokens, max_new_tokens,
+                                     temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                                     batch_size=batch_size, compile=compile)
+    calibration.info.update(prompt_file=str(prompts_file), generator=str(Path(generator or source.path).resolve()))
+    del model
     if device.type == "cuda":
         torch._dynamo.reset()  # the compiled step's CUDA-graph pool still holds the generator's memory
         torch.cuda.empty_cache()
     return calibration
+
+
+# ---------------------------------------------------------------------------- command line
+
+def build_calibration(args, source: Source, device) -> CalibrationSet:
+    from tokenizer import load_tokenizer  # the generation stack, needed only here
+
+    tokenizer = load_tokenizer(source.tokenizer_dir())  # the generator must share it (vocab checked)
+    if args.calib == "text":
+        path = download_c4_shard() if args.text == "c4" else args.text
+        return text_windows(tokenizer, path, args.tokens, args.seq_len, args.seed)
+    return calibrate_by_decoding(source, tokenizer, args.prompts, args.tokens, args.max_new_tokens, device=device,
+                                 generator=args.generator, seed=args.seed, batch_size=args.batch_size,
+                                 temperature=0.0 if args.greedy else args.temperature, top_k=args.top_k,
+                                 top_p=args.top_p, compile=device.type == "cuda" and not args.no_compile)
 
 
 def parse_args(argv):
@@ -425,22 +468,24 @@ def main(argv=None):
         device = torch.device(args.device)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda but CUDA is not available")
+        source = read_source(args.checkpoint)  # the run's one read of the checkpoint
+        config = source.model.config
         # A bad checkpoint, pattern or selection fails here, before any generation.
-        model, config, _ = load_model_on_cpu(args.checkpoint)
-        selected_linears(model, args.pattern, args.include, args.exclude)
-        del model
+        selected_linears(source.model, args.pattern, args.include, args.exclude)
         args.seq_len = args.seq_len or min(2048, config.block_size)
         args.batch_size = args.batch_size or (128 if device.type == "cuda" else 16)
         if args.seq_len > config.block_size:
             raise ValueError(f"--seq_len {args.seq_len} exceeds the model's context of {config.block_size} tokens")
-        calibration = build_calibration(args, config, device)
+        calibration = build_calibration(args, source, device)
         if args.count_first_token:
             calibration = calibration.with_first_positions()
         calibrated = time.perf_counter()
         calibration.info["seconds"] = round(calibrated - started, 2)
-        metadata = prune_model(args.checkpoint, calibration, args.method, args.pattern, args.out, device=device,
-                               one_shot=args.one_shot, include=args.include, exclude=args.exclude,
-                               batch_tokens=args.batch_tokens, seed=args.seed)
+        pruned = prune_model(source.model, calibration, args.method, args.pattern, device=device,
+                             one_shot=args.one_shot, include=args.include, exclude=args.exclude,
+                             batch_tokens=args.batch_tokens, seed=args.seed, metadata=source.provenance())
+        pruned.save(args.out)
+        metadata = pruned.metadata
     except (CheckpointError, CalibrationError, ValueError, FileNotFoundError) as e:
         sys.exit(f"prune: error: {e}")
     except KeyboardInterrupt:

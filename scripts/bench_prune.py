@@ -3,11 +3,11 @@
     python scripts/bench_prune.py --model Llama-3.1-8B --tokens 1000000 --batch_size 128 --no_write
     python scripts/bench_prune.py --model stories15M --tokens 2000 --batch_size 8 --device cpu --out /tmp/p.pth
 
-The issue's bar: SparseGPT 2:4 on a Llama-3.1-8B-shaped model with 1M decode-step tokens on one
-H200 in <= 20 minutes. The weights are random (bench_decode.random_model: made on the device in
+The target: SparseGPT 2:4 on a Llama-3.1-8B-shaped model with 1M decode-step tokens on one
+H200 in at most 20 minutes. The weights are random (bench_decode.random_model: made on the device in
 bf16, float32 on the CPU), the prompts random token ids of the model's vocabulary (Llama-3's
 128,256 for Llama-3.1-8B) with lengths drawn uniformly from --prompt_lengths, like chat prompts
-of the paper's prompt sets. Every phase runs prune/'s own code, the functions the CLI calls:
+of the paper's prompt sets. Every phase runs prune's own code, the functions the CLI calls:
 
     compile     a first generate() call of the calibration's exact shape (batch, steps, cache),
                 so torch.compile + CUDA-graph capture are timed apart from the steady generation
@@ -16,10 +16,10 @@ of the paper's prompt sets. Every phase runs prune/'s own code, the functions th
                 --batch_size prompts (sampled at the paper's T 0.7, top-k 20, top-p 0.8)
     offload     KV caches and the CUDA-graph pool freed, the model moved to the CPU, where the
                 CLI's pruning finds it (memory-mapped from the checkpoint)
-    replay      prune.run.prune_layers, sequential protocol: blocks moved to the device, replays
-                of the (pruned) sublayers, H accumulated at decode positions
+    replay      prune.prune_model, sequential protocol: blocks moved to the device, replays of the
+                (pruned) sublayers, H accumulated at decode positions
     solve       the same call's SparseGPT solves, plus packing each layer on the device
-    write       prune.run.packed_state_dict + checkpoint.save_checkpoint (skipped by --no_write)
+    write       PrunedCheckpoint.save (skipped by --no_write)
 
 Prints one JSON line (also written to --json) and a short table; tqdm shows progress on stderr.
 """
@@ -33,10 +33,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from checkpoint import atomic_write, save_checkpoint  # noqa: E402
+from checkpoint import atomic_write  # noqa: E402
 from generate import generate  # noqa: E402
-from prune.calibration import CalibrationSet, generation_calibration  # noqa: E402
-from prune.run import packed_state_dict, prune_layers, pruned_metadata, selected_linears  # noqa: E402
+from prune import CalibrationSet, prune_model  # noqa: E402
+from prune.calibration import generation_calibration  # noqa: E402
 from scripts.bench_decode import random_model  # noqa: E402
 
 SAMPLING = dict(temperature=0.7, top_k=20, top_p=0.8)  # the paper's
@@ -99,7 +99,7 @@ def load_calibration(path: Path, phases, record: dict) -> CalibrationSet:
 
 def save_calibration(path: Path, calibration: CalibrationSet, phases, record: dict):
     """What load_calibration reads back: the calibration, this call's phase times and its settings.
-    int32 ids: 1M decode tokens with their prompts stay under the device tool's 16 MiB per file."""
+    Token ids as int32: half the file of int64, and a million decode tokens with their prompts stay small."""
     payload = dict(sequences=[t.to(torch.int32) for t in calibration.sequences], counted=calibration.counted,
                    info=calibration.info, seconds=dict(phases.seconds), peak_memory_gib=dict(phases.peak_gib),
                    settings=record["calibration_settings"])
@@ -115,8 +115,8 @@ def bench(args, record: dict):
     torch.manual_seed(args.seed)
     model = random_model(args.model, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
     prompts = random_prompts(args.prompts, args.prompt_lengths, model.config.vocab_size, args.seed)
-    # A run too long for one sitting (one device call is 10 minutes) is split by --calibration: the
-    # first call generates, saves and stops; the same command again prunes, and its record sums both.
+    # A run longer than one GPU job may last is split by --calibration: the first call generates,
+    # saves and stops; the same command again prunes, and its record sums both.
     second_call = args.calibration is not None and args.calibration.exists()
     if second_call:
         calibration = load_calibration(args.calibration, phases, record)
@@ -138,18 +138,17 @@ def bench(args, record: dict):
         torch.cuda.empty_cache()
     phases.stop("offload")
 
-    names = selected_linears(model, args.pattern, ("layers.*",), ())
-    result = prune_layers(model, calibration, "sparsegpt", args.pattern, names, device=device,
-                          one_shot=args.one_shot, batch_tokens=args.batch_tokens)
-    phases.seconds.update(replay=result.seconds["replay"], solve=result.seconds["solve"])
-    phases.peak_gib["prune"] = round(result.peak_memory_bytes / 2**30, 2) if device.type == "cuda" else None
-    record["pruned_linears"] = len(result.names)
+    pruned = prune_model(model, calibration, "sparsegpt", args.pattern, device=device, one_shot=args.one_shot,
+                         batch_tokens=args.batch_tokens, seed=args.seed,
+                         metadata={"source_checkpoint": f"random {args.model} weights (scripts/bench_prune.py)"})
+    timing = pruned.metadata["timing"]
+    phases.seconds.update(replay=timing["replay_seconds"], solve=timing["solve_seconds"])
+    phases.peak_gib["prune"] = round(timing["peak_memory_bytes"] / 2**30, 2) if device.type == "cuda" else None
+    record["pruned_linears"] = len(pruned.metadata["sparsity"]["layers"])
 
     if args.out:
         phases.start()
-        metadata = pruned_metadata(result, calibration, "sparsegpt", args.pattern, args.one_shot, device)
-        metadata.update(seed=args.seed, source_checkpoint=f"random {args.model} weights (scripts/bench_prune.py)")
-        save_checkpoint(args.out, packed_state_dict(model, result), model.config, metadata)
+        pruned.save(args.out)
         phases.stop("write")
 
 

@@ -79,7 +79,7 @@ def tiny_hf_folder(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
-    from scripts.convert_hf import ConversionError, embedded_smollm2_gguf
+    from convert import ConversionError, embedded_smollm2_gguf
     try:
         return embedded_smollm2_gguf()
     except ConversionError as e:

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from checkpoint import load_checkpoint, save_checkpoint
-from evaluation.compare import aggregate, c4_heldout, markdown_table, plot, prune, prune_argv, run_name, verdicts
+from evaluation.compare import (aggregate, c4_heldout, markdown_table, plot, prune, prune_argv, prune_options,
+                                run_name, verdicts)
 from model import Transformer
 from prune.calibration import text_windows
 from prune.run import main as prune_cli
@@ -71,9 +72,10 @@ def checkpoint_with_tokenizer(tmp_path_factory):
     return folder / "model.pth"
 
 
-def test_cells_reuse_the_decode_calibration_and_equal_the_prune_cli(checkpoint_with_tokenizer, tmp_path):
+def test_cells_reuse_the_decode_calibration_and_equal_the_prune_cli(checkpoint_with_tokenizer, tmp_path, monkeypatch):
     """The first decode cell generates and caches; a second backend reuses the cache; both checkpoints
-    equal what `python -m prune` writes for the same flags, and a new seed generates afresh."""
+    equal what `python -m prune` writes for the same flags, a new seed generates afresh, and each cell
+    reads the dense checkpoint once."""
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "Once upon a time"}\n{"prompt": "The dog ran"}\n{"prompt": "Lily saw"}\n')
     args = Namespace(checkpoint=checkpoint_with_tokenizer, calib_max_new_tokens=9, calib_batch_size=2, calib_seq_len=32, tokens=40,
@@ -81,7 +83,11 @@ def test_cells_reuse_the_decode_calibration_and_equal_the_prune_cli(checkpoint_w
     args.workdir.mkdir()
     for method, seed in (("sparsegpt", 0), ("wanda", 0), ("wanda", 1)):
         cell = args.workdir / f"{method}-{seed}.pth"
-        prune(args, method, "2:4", "decode", seed, prompts, cell)
+        reads, real_load = [], torch.load
+        with monkeypatch.context() as patch:
+            patch.setattr(torch, "load", lambda f, *a, **k: reads.append(str(f)) or real_load(f, *a, **k))
+            prune(args, method, "2:4", "decode", seed, prompts, cell)
+        assert reads.count(str(checkpoint_with_tokenizer)) == 1
         reference = tmp_path / f"cli-{method}-{seed}.pth"
         prune_cli(prune_argv(args, method, "2:4", "decode", seed, prompts, reference))
         (ours, _, meta), (theirs, _, meta_cli) = load_checkpoint(cell), load_checkpoint(reference)
@@ -90,6 +96,13 @@ def test_cells_reuse_the_decode_calibration_and_equal_the_prune_cli(checkpoint_w
         assert ("reused_from" in meta["calibration"]) == (method == "wanda" and seed == 0)
         assert meta["calibration"]["collection"] == "one-shot"
     assert len(list(args.workdir.glob("calibration-decode-40tok-seed*.pt"))) == 2
+
+
+def test_prune_args_pass_on_what_a_grid_may_vary():
+    assert prune_options(["--one_shot", "--count_first_token"]) == {"one_shot": True, "count_first_token": True}
+    assert prune_options(["--exclude", "*.w2"]) == {"exclude": ["*.w2"], "count_first_token": False}
+    with pytest.raises(ValueError, match="cannot pass on --greedy"):
+        prune_options(["--greedy"])
 
 
 def test_grid_caches_each_task_apart_and_existing_only_measures_nothing(tmp_path, monkeypatch):

@@ -182,9 +182,8 @@ def test_compiled_generation_keeps_one_batch_shape(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_statistics_from_bf16_inputs_match_float64():
     """The tensor-core path (bf16 x bf16 -> float32) on bf16 activations, outliers included, matches
-    float64: the products are exact in float32, only the float32 sums round. Measured on the H200
-    (2026-11-29): relative error 3.4e-6 over ~4,300 rows, so the bound is 1e-5 (it was 1e-6, never
-    run on a GPU before). SparseGPT dampens H by 1% of its diagonal mean, far above this."""
+    float64: the products are exact in float32, only the float32 sums round over thousands of rows,
+    hence the bound of 1e-5. SparseGPT dampens H by 1% of its diagonal mean, far above this."""
     g = torch.Generator(device="cuda").manual_seed(0)
     xs = [torch.randn(4, 512, 1024, device="cuda", generator=g) for _ in range(3)]
     for x in xs:

@@ -1,6 +1,6 @@
 """The layer-sequential driver and the CLI: packed checkpoints that load through generate.py and
 reproduce the masked dense model, the sequential protocol against a from-scratch reference,
-interrupts that leave nothing behind, and bad command lines."""
+interrupts that leave nothing behind, one read of the checkpoint per run, and bad command lines."""
 import subprocess
 import sys
 
@@ -11,7 +11,8 @@ import prune.run
 from checkpoint import load_checkpoint, save_checkpoint
 from model import ModelArgs, Transformer
 from prune.calibration import CalibrationSet
-from prune.run import main, prune_model
+from prune import prune_model, read_source
+from prune.run import main
 from prune.wanda import wanda_prune
 from sparse import unpack
 
@@ -37,6 +38,13 @@ def calibration_set(seed=0, n=6):
     return CalibrationSet(sequences, counted, {"kind": "test"})
 
 
+def prune_checkpoint(path, calibration, method, pattern, out, **options):
+    """What python -m prune does after calibrating: read the source once, prune it, save the result."""
+    source = read_source(path)
+    pruned = prune_model(source.model, calibration, method, pattern, metadata=source.provenance(), **options)
+    pruned.save(out)
+
+
 def dense_model(path):
     state_dict, config, _ = load_checkpoint(path)
     model = Transformer(config)
@@ -54,7 +62,7 @@ def logits(model, tokens):
 def test_packed_checkpoint_loads_through_generate_and_matches_the_masked_dense_model(method, tiny_checkpoint, tmp_path):
     generate = pytest.importorskip("generate")
     out = tmp_path / "pruned.pth"
-    prune_model(tiny_checkpoint, calibration_set(), method, "2:4", out, batch_tokens=100)
+    prune_checkpoint(tiny_checkpoint, calibration_set(), method, "2:4", out, batch_tokens=100)
     state_dict, _, metadata = load_checkpoint(out)
     assert metadata["sparsity"] == {"pattern": "2:4", "format": "bitmask-v2",
                                     "layers": [f"layers.{i}.{n}" for i in range(2) for n in LINEARS]}
@@ -79,13 +87,13 @@ def test_packed_checkpoint_loads_through_generate_and_matches_the_masked_dense_m
 
 
 def test_checkpoint_in_the_older_bitmask_v1_layout_still_loads(tiny_checkpoint, tmp_path):
-    # bitmask-v1 (before 2026-12-01) stored each row's kept values as column (word, step) of a
+    # bitmask-v1, the older layout, stored each row's kept values as column (word, step) of a
     # (in/32 * nnz, out) buffer; load_model converts it to the current layout.
     generate = pytest.importorskip("generate")
     from checkpoint import save_checkpoint
 
     out = tmp_path / "pruned.pth"
-    prune_model(tiny_checkpoint, calibration_set(), "magnitude", "4:8", out, batch_tokens=100)
+    prune_checkpoint(tiny_checkpoint, calibration_set(), "magnitude", "4:8", out, batch_tokens=100)
     state_dict, config, metadata = load_checkpoint(out)
     old = {name: (unpack(tensor, state_dict[name[:-len("values")] + "mask"]) if name.endswith(".values") else tensor)
            for name, tensor in state_dict.items()}
@@ -104,7 +112,7 @@ def test_a_mask_that_breaks_its_pattern_is_refused_on_load(tiny_checkpoint, tmp_
     from checkpoint import CheckpointError, save_checkpoint
 
     out = tmp_path / "pruned.pth"
-    prune_model(tiny_checkpoint, calibration_set(), "magnitude", "2:4", out, batch_tokens=100)
+    prune_checkpoint(tiny_checkpoint, calibration_set(), "magnitude", "2:4", out, batch_tokens=100)
     state_dict, config, metadata = load_checkpoint(out)
     mask = state_dict["layers.1.feed_forward.w2.mask"].clone()
     mask[0, 3] ^= 1 << 5  # one bit more or less in columns 4..7 of row 3
@@ -137,7 +145,7 @@ def wanda_by_hand(path, calibration, pattern):
 def test_sequential_driver_matches_a_from_scratch_reference(pattern, tiny_checkpoint, tmp_path):
     calibration = calibration_set(seed=1)
     out = tmp_path / "pruned.pth"
-    prune_model(tiny_checkpoint, calibration, "wanda", pattern, out, batch_tokens=64)
+    prune_checkpoint(tiny_checkpoint, calibration, "wanda", pattern, out, batch_tokens=64)
     reference = wanda_by_hand(tiny_checkpoint, calibration, pattern)
     state_dict, _, metadata = load_checkpoint(out)
     for name in metadata["sparsity"]["layers"]:
@@ -152,8 +160,8 @@ def test_sequential_driver_matches_a_from_scratch_reference(pattern, tiny_checkp
 
 def test_one_shot_calibrates_on_dense_activations(tiny_checkpoint, tmp_path):
     calibration = calibration_set(seed=2)
-    prune_model(tiny_checkpoint, calibration, "sparsegpt", "2:4", tmp_path / "seq.pth", batch_tokens=64)
-    prune_model(tiny_checkpoint, calibration, "sparsegpt", "2:4", tmp_path / "one.pth", batch_tokens=64, one_shot=True)
+    prune_checkpoint(tiny_checkpoint, calibration, "sparsegpt", "2:4", tmp_path / "seq.pth", batch_tokens=64)
+    prune_checkpoint(tiny_checkpoint, calibration, "sparsegpt", "2:4", tmp_path / "one.pth", batch_tokens=64, one_shot=True)
     sequential, _, meta_seq = load_checkpoint(tmp_path / "seq.pth")
     one_shot, _, meta_one = load_checkpoint(tmp_path / "one.pth")
     assert meta_seq["calibration"]["collection"] == "sequential" and meta_one["calibration"]["collection"] == "one-shot"
@@ -165,7 +173,7 @@ def test_one_shot_calibrates_on_dense_activations(tiny_checkpoint, tmp_path):
 
 def test_include_exclude_keep_other_linears_dense(tiny_checkpoint, tmp_path):
     out = tmp_path / "pruned.pth"
-    prune_model(tiny_checkpoint, calibration_set(), "magnitude", "4:8", out, exclude=["*.w2", "layers.1.*"])
+    prune_checkpoint(tiny_checkpoint, calibration_set(), "magnitude", "4:8", out, exclude=["*.w2", "layers.1.*"])
     state_dict, _, metadata = load_checkpoint(out)
     assert metadata["sparsity"]["layers"] == ["layers.0.attention.wqkv", "layers.0.attention.wo",
                                               "layers.0.feed_forward.w13"]
@@ -186,7 +194,7 @@ def test_interrupt_mid_run_leaves_no_output(tiny_checkpoint, tmp_path, monkeypat
     monkeypatch.setitem(prune.run.METHODS, "magnitude", interrupted)
     out_dir = tmp_path / "out"
     with pytest.raises(KeyboardInterrupt):
-        prune_model(tiny_checkpoint, calibration_set(), "magnitude", "2:4", out_dir / "pruned.pth")
+        prune_checkpoint(tiny_checkpoint, calibration_set(), "magnitude", "2:4", out_dir / "pruned.pth")
     assert not out_dir.exists() or not any(out_dir.iterdir())
 
 
@@ -197,8 +205,16 @@ def test_interrupt_while_writing_leaves_no_output(tiny_checkpoint, tmp_path, mon
 
     monkeypatch.setattr(torch, "save", half_written)
     with pytest.raises(KeyboardInterrupt):
-        prune_model(tiny_checkpoint, calibration_set(), "magnitude", "2:4", tmp_path / "out" / "pruned.pth")
+        prune_checkpoint(tiny_checkpoint, calibration_set(), "magnitude", "2:4", tmp_path / "out" / "pruned.pth")
     assert not any((tmp_path / "out").iterdir())
+
+
+def test_a_pruned_checkpoint_is_refused_as_a_source(tiny_checkpoint, tmp_path):
+    from checkpoint import CheckpointError
+
+    prune_checkpoint(tiny_checkpoint, calibration_set(), "magnitude", "50%", tmp_path / "pruned.pth")
+    with pytest.raises(CheckpointError, match="is already pruned \\(50%\\); prune the dense source checkpoint"):
+        read_source(tmp_path / "pruned.pth")
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -212,7 +228,7 @@ def test_cli_bad_inputs_exit_with_one_line(argv, message, tiny_checkpoint, tmp_p
             "--out", str(tmp_path / "x.pth")]
     if message is None:  # get past the checks: then the missing text file is the error
         pytest.importorskip("tokenizer")
-        monkeypatch.setattr("tokenizer.find_tokenizer", lambda path: path)
+        monkeypatch.setattr("tokenizer.find_tokenizer", lambda path, metadata=None: path)
         monkeypatch.setattr("tokenizer.load_tokenizer", lambda path: None)
         message = "text file not found"
     with pytest.raises(SystemExit) as exit_info:
@@ -292,6 +308,25 @@ def test_cli_cross_model_decode_calibration(extra, counted, checkpoints_with_tok
     # greedy: one pass over 2 prompts, 7 decode steps each (+ each prompt's first position with --count_first_token)
     assert calibration["counted_tokens"] == counted
     assert calibration.get("first_position_counted", False) == bool(extra)
+
+
+@pytest.mark.parametrize("calib", ["text", "decode"])
+def test_cli_reads_the_checkpoint_once(calib, checkpoints_with_tokenizer, tmp_path, monkeypatch):
+    """The source is read once per run: the decode calibration's generator (by default the source
+    model) is a copy of what was read, not a second load."""
+    target, _ = checkpoints_with_tokenizer
+    text = tmp_path / "text.txt"
+    text.write_text("Once upon a time there was a little girl named Lily. She liked to play in the park.\n" * 40)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Once upon a time\nThe cat sat\n")
+    source = ["--text", str(text), "--seq_len", "32"] if calib == "text" else \
+        ["--prompts", str(prompts), "--max_new_tokens", "8", "--batch_size", "2"]
+    reads, real_load = [], torch.load
+    monkeypatch.setattr(torch, "load", lambda f, *args, **kwargs: reads.append(str(f)) or real_load(f, *args, **kwargs))
+    main(["--checkpoint", str(target), "--method", "wanda", "--pattern", "2:4", "--calib", calib, *source,
+          "--tokens", "64", "--device", "cpu", "--out", str(tmp_path / "pruned.pth")])
+    assert reads.count(str(target)) == 1
+    assert load_checkpoint(tmp_path / "pruned.pth")[2]["calibration"]["kind"] == calib
 
 
 def test_cli_rejects_a_generator_with_another_vocabulary(checkpoints_with_tokenizer, tiny_checkpoint, tmp_path):

