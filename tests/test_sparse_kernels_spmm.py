@@ -1,28 +1,31 @@
-"""sparse/spmm.py: the tensor-core SpMM, on CPU under TRITON_INTERPRET=1 (the real kernel) against
-float64, and on the GPU (marked `gpu`) on Llama-3.1-8B shapes, eagerly and under torch.compile
-with CUDA graphs.
+"""sparse/kernels/spmm.py: the tensor-core SpMM, on CPU under TRITON_INTERPRET=1 (the real kernel)
+against float64, its machine code for sm_90a (compiled on the CPU), and on the GPU (marked `gpu`) on
+Llama-3.1-8B shapes, eagerly and under torch.compile with CUDA graphs.
 
-As in test_sparse_kernels.py, the interpreter must be on before Triton decorates the kernels, so
-the CPU checks run in a fresh Python process started by the first test.
+The interpreter must be on before Triton decorates the kernels, so the CPU checks run in a fresh
+Python process started by the first test (tests/sparse_kernel_testing.py).
 """
+import dataclasses
+
 import pytest
 import torch
 
-from sparse import kernels, spmm
 from sparse.format import unpack
+from sparse.kernels import common, spmm
+from tests import sass
 from tests.sparse_kernel_testing import case_seed, interpreted, random_packed, relative_error, rerun_under_interpreter
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-@pytest.mark.skipif(kernels.INTERPRETING, reason="this is the subprocess")
+@pytest.mark.skipif(common.INTERPRETING, reason="this is the subprocess")
 def test_spmm_under_the_interpreter():
     rerun_under_interpreter(__file__)
 
 
 # 40 rows: not a multiple of the 32-row tile; 96 columns = 3 words: a multiple of 32 but not of
-# the 2-word K step, and split 2 ways (2 + 1 words). 40 tokens: three token tiles, the last short.
-CASES = [("2:4", 4), ("4:8", 8), ("8:16", 16), ("16:32", 4), ("2:4", 40), ("16:32", 40)]
+# the 2-word K step, and split 2 ways (2 + 1 words); up to the MMA's 16 rows of x.
+CASES = [("2:4", 4), ("4:8", 8), ("8:16", 16), ("16:32", 4), ("2:4", 1), ("16:32", 13)]
 
 
 @interpreted
@@ -31,15 +34,13 @@ def test_spmm_matches_float64(pattern, tokens):
     seed = case_seed(pattern, tokens)
     values, mask = random_packed(40, 96, pattern, seed)
     reference_weight = unpack(values, mask).double()
-    # (BLOCK_OUT, BLOCK_TOKENS, WORDS, warps, split, stages): one word a step, then two split 2 + 1,
-    # pipelined by hand and by Triton
-    configs = [(32, 16, 1, 1, 1, 1), (32, 16, 2, 1, 2, 1), (32, 16, 2, 1, 2, 3)]
-    for config in configs:
-        x = torch.randn(tokens, 96, generator=torch.Generator().manual_seed(seed + config[2]))
+    # (BLOCK_OUT, WORDS, warps, split): one word a step, then two split 2 + 1
+    for config in [(32, 1, 1, 1), (32, 2, 1, 2)]:
+        x = torch.randn(tokens, 96, generator=torch.Generator().manual_seed(seed + config[1]))
         out = torch.full((tokens, 40), float("nan"))  # poisoned: an unwritten element fails
         y = spmm.spmm(x, values, mask, config=config, out=out)
         assert relative_error(y, x.double() @ reference_weight.T) < 1e-6, config
-        workspace, arrivals = kernels._workspace(x.device, 0, 0)
+        workspace, arrivals = common.split_k_workspace(x.device, 0, 0)
         assert not workspace.any() and not arrivals.any(), "split-K must leave its workspace zeroed"
 
 
@@ -48,25 +49,15 @@ def test_spmm_compile_only_launches_nothing():
     # What the tuner calls to compile every candidate before any is launched.
     values, mask = random_packed(40, 96, "2:4", 6)
     out = torch.full((4, 40), float("nan"))
-    spmm.spmm(torch.ones(4, 96), values, mask, config=(32, 16, 1, 1, 1, 1), out=out, compile_only=True)
+    spmm.spmm(torch.ones(4, 96), values, mask, config=(32, 1, 1, 1), out=out, compile_only=True)
     assert out.isnan().all()
 
 
 @interpreted
-def test_sparse_linear_dispatch_to_spmm(monkeypatch):
-    from sparse import SparseLinear, linear
-    monkeypatch.setattr(linear, "SPMM_PREFILL", True)
-    calls = []  # whether each SpMM call was told that W is 2:4
-    monkeypatch.setattr(spmm, "spmm", lambda *args, _spmm=spmm.spmm, **kwargs:
-                        calls.append(kwargs["two_of_four"]) or _spmm(*args, **kwargs))
-    for pattern in ("8:16", "2:4"):
-        calls.clear()
-        layer = SparseLinear.from_dense(torch.randn(24, 64), pattern)
-        dense = unpack(layer.values, layer.mask).double()
-        for rows in [1, 8, 16, 40]:  # spmv; 8 rows: the SpMM for 2:4 only; a full MMA tile; a prefill
-            x = torch.randn(rows, 64)
-            assert relative_error(layer(x), x.double() @ dense.T) < 1e-6
-        assert calls == {"8:16": [False] * 2, "2:4": [True] * 3}[pattern]
+def test_spmm_refuses_more_rows_than_the_mma_tile():
+    values, mask = random_packed(40, 96, "2:4", 6)
+    with pytest.raises(ValueError, match="is not up to 16 rows"):
+        spmm.spmm(torch.ones(17, 96), values, mask)
 
 
 def permute_bytes(pair: int, selector: int) -> int:
@@ -89,17 +80,14 @@ def test_prmt_selectors_expand_every_2of4_nibble():
 
 
 @interpreted
-@pytest.mark.parametrize("tokens", [4, 40])
-@pytest.mark.parametrize("prefetch_pairs", [False, True])  # value pairs loaded in the expanding step, or one before
-def test_spmm_2of4_nibble_expansion_matches_float64(tokens, prefetch_pairs, monkeypatch):
+@pytest.mark.parametrize("tokens", [4, 16])
+def test_spmm_2of4_nibble_expansion_matches_float64(tokens):
     # bf16 (the expansion moves 32-bit pairs of values); 40 rows, 3 words split 2 + 1, as above.
-    monkeypatch.setattr(spmm, "EXPAND_2OF4_BY_NIBBLE", True)
-    monkeypatch.setattr(spmm, "PREFETCH_2OF4_PAIRS", prefetch_pairs)
     seed = case_seed("2:4 nibble", tokens)
     values, mask = random_packed(40, 96, "2:4", seed, dtype=torch.bfloat16)
     reference_weight = unpack(values, mask).double()
-    for config in [(32, 16, 1, 1, 1, 1), (32, 16, 2, 1, 2, 1), (32, 16, 2, 1, 2, 3)]:
-        x = torch.randn(tokens, 96, generator=torch.Generator().manual_seed(seed + config[2])).bfloat16()
+    for config in [(32, 1, 1, 1), (32, 2, 1, 2)]:
+        x = torch.randn(tokens, 96, generator=torch.Generator().manual_seed(seed + config[1])).bfloat16()
         out = torch.full((tokens, 40), float("nan"), dtype=torch.bfloat16)
         y = spmm.spmm(x, values, mask, config=config, out=out, two_of_four=True)
         assert relative_error(y, x.double() @ reference_weight.T) < 1e-2, config  # y rounded to bf16
@@ -119,20 +107,15 @@ LLAMA_8B_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("out_features,in_features", LLAMA_8B_SHAPES)
-@pytest.mark.parametrize("expansion", ["gather", "nibble", "nibble_prefetched"])  # the last: PREFETCH_2OF4_PAIRS
-def test_spmm_llama_shapes_bf16(out_features, in_features, expansion, monkeypatch):
-    monkeypatch.setattr(spmm, "EXPAND_2OF4_BY_NIBBLE", expansion != "gather")
-    monkeypatch.setattr(spmm, "PREFETCH_2OF4_PAIRS", expansion.endswith("prefetched"))
-    monkeypatch.setattr(spmm, "DECODE_STAGES", (3,))  # the Triton-pipelined K loop too, though the tuner skips it
+@pytest.mark.parametrize("two_of_four", [False, True])  # expanded by gather, or by nibble
+def test_spmm_llama_shapes_bf16(out_features, in_features, two_of_four):
     values, mask = random_packed(out_features, in_features, "2:4", 0, device="cuda", dtype=torch.bfloat16)
     reference_weight = unpack(values, mask).double()
-    for tokens in (4, 8, 16, 2048):
-        # Every candidate's tile shape once (split-K or not) with each K loop, instead of timing them all.
-        configs = {(*c[:4], c[5]): c for c in spmm.candidate_configs(out_features, in_features // 32, tokens)}
-        for config in configs.values():
+    for tokens in (4, 8, 16):
+        for config in spmm.candidate_configs(out_features, in_features // 32):
             x = torch.randn(tokens, in_features, device="cuda", dtype=torch.bfloat16)
             out = torch.full((tokens, out_features), float("nan"), device="cuda", dtype=torch.bfloat16)
-            y = spmm.spmm(x, values, mask, config=config, out=out, two_of_four=True)
+            y = spmm.spmm(x, values, mask, config=config, out=out, two_of_four=two_of_four)
             assert relative_error(y, x.double() @ reference_weight.T) < 1e-2, (tokens, config)
 
 
@@ -144,10 +127,24 @@ def test_spmm_under_cuda_graphs(monkeypatch):
     layer = SparseLinear.from_dense(torch.randn(6144, 4096, device="cuda", dtype=torch.bfloat16), "16:32")
     dense = unpack(layer.values, layer.mask).double()
     compiled = torch.compile(layer, fullgraph=True, mode="reduce-overhead")
-    monkeypatch.setattr(linear, "SPMM_MIN_ROWS", 4)
-    monkeypatch.setattr(linear, "MEASURED_ROUTE", False)  # the SpMM at every row count, not the race's pick
+    monkeypatch.setattr(linear, "ROUTES", dataclasses.replace(linear.ROUTES, spmm_from_rows=4))
+    monkeypatch.setattr(linear, "can_time_in_cuda_graph", lambda x: False)  # the SpMM from 4 rows, not the race's pick
     for tokens in (4, 8, 16):
         layer(torch.randn(tokens, 4096, device="cuda", dtype=torch.bfloat16))  # tune outside the graph
         for _ in range(3):  # warm-up, recording, then a replay, each with fresh inputs
             x = torch.randn(tokens, 4096, device="cuda", dtype=torch.bfloat16)
             assert relative_error(compiled(x).clone(), x.double() @ dense.T) < 1e-2
+
+
+# ---------------------------------------------------------------- machine code (sm_90a, compiled on the CPU)
+
+@pytest.mark.skipif(common.INTERPRETING, reason="compiles for sm_90a; not the interpreter's kernels")
+def test_2of4_nibble_expansion_fits_the_issue_budget():
+    # The K loop at a decode batch: the gather expansion is over the ~17.7 instructions per kept
+    # weight that the H200 can issue at full bandwidth; the 2:4 nibble one (two byte permutes a
+    # nibble) must stay well under it, without spills, with the same MMAs.
+    gather, nibble = (sass.spmm(two_of_four) for two_of_four in (False, True))
+    assert nibble["spill_bytes"] == 0 and nibble["per_kept_weight"] < 12 and 17.7 < gather["per_kept_weight"]
+    assert nibble["mix"]["PRMT"] == 2 * 8 * 2  # per nibble, 8 nibbles a word, 2 words a K step
+    assert nibble["mix"]["HGMMA"] == gather["mix"]["HGMMA"]
+    assert nibble["registers"] <= 2 ** 16 // (4 * 128)  # four programs of 128 threads an SM
