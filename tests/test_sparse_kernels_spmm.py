@@ -143,7 +143,7 @@ def test_2of4_nibble_expansion_fits_the_issue_budget():
     # The K loop at a decode batch: the gather expansion is over the ~17.7 instructions per kept
     # weight that the H200 can issue at full bandwidth; the 2:4 nibble one (two byte permutes a
     # nibble) must stay well under it, without spills, with the same MMAs.
-    gather, nibble = (sass.spmm(two_of_four) for two_of_four in (False, True))
+    gather, nibble = (sass.spmm_kernel(two_of_four) for two_of_four in (False, True))
     assert nibble["spill_bytes"] == 0 and nibble["per_kept_weight"] < 12 and 17.7 < gather["per_kept_weight"]
     assert nibble["mix"]["PRMT"] == 2 * 8 * 2  # per nibble, 8 nibbles a word, 2 words a K step
     assert nibble["mix"]["HGMMA"] == gather["mix"]["HGMMA"]

@@ -48,7 +48,7 @@ tuned_configs = {}  # (mask shape, rows of x, prologue, device) -> config
 
 
 @triton.jit
-def _metadata_of(word):
+def metadata_of(word):
     """mma.sp's metadata for a 32-column mask word with two set bits in every aligned nibble: each
     nibble b3b2b1b0 becomes (second index << 2) | first index, computed for all eight nibbles at
     once (bitwise within nibbles, no carries across them).
@@ -94,10 +94,10 @@ def _thread_metadata(word_low, word_high, ODD, INTERPRETER_SAFE: tl.constexpr):
     """The metadata register of a thread (selector 0): the even (ODD false) or odd groups of four
     columns of its rows g (word_low: bits 0-15) and g + 8 (word_high: bits 16-31), four nibbles
     each in group order. The two rows' chosen nibbles are interleaved into one word first, so one
-    `_metadata_of` serves both; ODD may differ per thread."""
+    `metadata_of` serves both; ODD may differ per thread."""
     shift = tl.where(ODD, 4, 0).to(tl.uint32)
     nibbles = 0x0F0F0F0F
-    both = _metadata_of(((word_low >> shift) & nibbles) | (((word_high >> shift) & nibbles) << 4))
+    both = metadata_of(((word_low >> shift) & nibbles) | (((word_high >> shift) & nibbles) << 4))
     low = both & nibbles  # row g's four nibbles, one a byte
     high = (both >> 4) & nibbles
     low = (low | (low >> 4)) & 0x00FF00FF  # two a byte, in bytes 0 and 2
