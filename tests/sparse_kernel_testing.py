@@ -31,6 +31,12 @@ def relative_error(y: torch.Tensor, reference: torch.Tensor) -> float:
     return float((y.double() - reference).norm() / reference.norm())
 
 
+def assert_workspace_zeroed(device):
+    """Split K must leave the shared workspace and its arrival counters zeroed for the next call."""
+    workspace, arrivals = common.split_k_workspace(device, 0, 0)
+    assert not workspace.any() and not arrivals.any(), "split-K must leave its workspace zeroed"
+
+
 def random_packed(out_features: int, in_features: int, pattern: str, seed: int, device="cpu", dtype=torch.float32):
     """A random weight packed to `pattern` (its N largest |w| per M-group kept)."""
     weight = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(seed))

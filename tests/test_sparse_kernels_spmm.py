@@ -13,7 +13,8 @@ import torch
 from sparse.format import unpack
 from sparse.kernels import common, spmm
 from tests import sass
-from tests.sparse_kernel_testing import case_seed, interpreted, random_packed, relative_error, rerun_under_interpreter
+from tests.sparse_kernel_testing import (assert_workspace_zeroed, case_seed, interpreted, random_packed,
+                                        relative_error, rerun_under_interpreter)
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -40,8 +41,7 @@ def test_spmm_matches_float64(pattern, tokens):
         out = torch.full((tokens, 40), float("nan"))  # poisoned: an unwritten element fails
         y = spmm.spmm(x, values, mask, config=config, out=out)
         assert relative_error(y, x.double() @ reference_weight.T) < 1e-6, config
-        workspace, arrivals = common.split_k_workspace(x.device, 0, 0)
-        assert not workspace.any() and not arrivals.any(), "split-K must leave its workspace zeroed"
+        assert_workspace_zeroed(x.device)
 
 
 @interpreted

@@ -13,8 +13,8 @@ import torch
 from sparse.format import unpack
 from sparse.kernels import common, mma_sp, spmv
 from tests import sass
-from tests.sparse_kernel_testing import (case_seed, compiled_first, interpreted, random_packed, relative_error,
-                                        rerun_under_interpreter)
+from tests.sparse_kernel_testing import (assert_workspace_zeroed, case_seed, compiled_first, interpreted,
+                                        random_packed, relative_error, rerun_under_interpreter)
 
 PATTERNS = ["2:4", "4:8", "8:16", "16:32", "1:4"]
 
@@ -46,8 +46,7 @@ def test_spmv_matches_float64(pattern, batch):
         y = spmv.spmv(x, values, mask, config=config, out=out)
         assert y.shape == (batch, 37)
         assert relative_error(y, x.double() @ reference_weight.T) < 1e-6, config
-        workspace, arrivals = common.split_k_workspace(x.device, 0, 0)
-        assert not workspace.any() and not arrivals.any(), "split-K must leave its workspace zeroed"
+        assert_workspace_zeroed(x.device)
 
 
 @interpreted
@@ -126,8 +125,7 @@ def test_spmv_fused_prologue_and_residual_match_float64(fusion, pattern, batch, 
         expected = fused_reference(x, weight, norm_weight, 1e-5, residual, gated)
         # Packed, the prologue's output is rounded to bf16 (as an unfused bf16 model rounds it).
         assert relative_error(y, expected) < (1e-2 if pack_x else 1e-6), config
-        workspace, arrivals = common.split_k_workspace(x.device, 0, 0)
-        assert not workspace.any() and not arrivals.any(), "split-K must leave its workspace zeroed"
+        assert_workspace_zeroed(x.device)
 
 
 @interpreted
@@ -179,8 +177,7 @@ def test_gpu_spmv_dtypes_and_ragged_shapes(dtype, bound, pattern):
             out = torch.full((batch, 100), float("nan"), device="cuda", dtype=dtype)
             y = spmv.spmv(x, values, mask, config=config, out=out)
             assert relative_error(y, x.double() @ reference_weight.T) < bound, (config, batch)
-            workspace, arrivals = common.split_k_workspace(x.device, 0, 0)
-            assert not workspace.any() and not arrivals.any(), "split-K must leave its workspace zeroed"
+            assert_workspace_zeroed(x.device)
 
 
 @pytest.mark.gpu
@@ -252,8 +249,7 @@ def test_gpu_spmv_chain_with_pdl_in_a_cuda_graph(l2_megabytes, monkeypatch):
                         fused_reference(h, weight, residual=h))
             assert relative_error(y, expected) < 1e-2, (replay, i)
             h = y
-    workspace, arrivals = common.split_k_workspace(x.device, 0, 0)
-    assert not workspace.any() and not arrivals.any()
+    assert_workspace_zeroed(x.device)
 
 
 
