@@ -338,10 +338,10 @@ def _summed_over_slices(parts, SLICES: tl.constexpr):
 
 @triton.jit
 def mma_sp_kernel(x_ptr, values_ptr, mask_ptr, y_ptr, residual_ptr, norm_ptr, n_rows, n_words, words_per_warp,
-                   batch_rows, x_stride, norm_eps, l2_words, SLICES: tl.constexpr, M_TILES: tl.constexpr,
-                   N_BLOCKS: tl.constexpr, EVEN_K: tl.constexpr, UNROLL: tl.constexpr, PREFETCH: tl.constexpr,
-                   NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr,
-                   INTERPRETER_SAFE: tl.constexpr):
+                  batch_rows, x_stride, norm_eps, l2_words, SLICES: tl.constexpr, M_TILES: tl.constexpr,
+                  N_BLOCKS: tl.constexpr, EVEN_K: tl.constexpr, UNROLL: tl.constexpr, PREFETCH: tl.constexpr,
+                  NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr,
+                  INTERPRETER_SAFE: tl.constexpr):
     """y[:batch_rows, M_TILES 16-row tiles] of this program (+ the residual's, with RESIDUAL; of
     RMSNorm(x) * the norm weight, with NORM; of silu(gate) * up for x = [gate | up], with GATED);
     SLICES warps, warp s walking words_per_warp words from s · words_per_warp for every tile (x's

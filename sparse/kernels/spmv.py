@@ -177,7 +177,7 @@ def _load_word(x_ptr, norm_ptr, values_u32, mask_u32, k, rows, lane, n_rows, n_w
     tile = ()
     for c in tl.static_range(CHUNKS):
         tile = tile + load_u32(values_u32 + ((k * CHUNKS + c) * n_rows + rows) * U32_PER_CHUNK, U32_PER_CHUNK,
-                                INTERPRETER_SAFE)
+                               INTERPRETER_SAFE)
     column = k * 32 + lane
     if NORM:
         scale = _load_lane(norm_ptr + column, INTERPRETER_SAFE)
@@ -231,10 +231,10 @@ def _prefetch_words_to_l2(values_u32, mask_u32, k_first, rows, n_rows, n_words, 
 
 @triton.jit
 def spmv_kernel(x_ptr, values_ptr, mask_ptr, y_ptr, workspace_ptr, arrivals_ptr, norm_ptr, residual_ptr,
-                 n_rows, n_words, words_per_warp, batch_rows, x_stride, norm_eps, l2_words,
-                 NNZ: tl.constexpr, CHUNK: tl.constexpr, BATCH: tl.constexpr, SLICES: tl.constexpr,
-                 PREFETCH: tl.constexpr, EVEN_K: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
-                 GATED: tl.constexpr, PACKED_X: tl.constexpr, PDL: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
+                n_rows, n_words, words_per_warp, batch_rows, x_stride, norm_eps, l2_words,
+                NNZ: tl.constexpr, CHUNK: tl.constexpr, BATCH: tl.constexpr, SLICES: tl.constexpr,
+                PREFETCH: tl.constexpr, EVEN_K: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
+                GATED: tl.constexpr, PACKED_X: tl.constexpr, PDL: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
     """y[:batch_rows, rows] = residual + prologue(x) @ W[rows].T for the 32 rows of this program's
     row block (`spmv` says what the optional prologue and residual are).
 
@@ -305,7 +305,7 @@ def spmv_kernel(x_ptr, values_ptr, mask_ptr, y_ptr, workspace_ptr, arrivals_ptr,
         # does not wait a further round trip for it after its sums (64 B a row block and row of x)
         residual = tl.load(residual_ptr + out_offsets, mask=out_ok, other=0.0)
     total, last = sum_splits(acc, workspace_ptr, arrivals_ptr, tl.program_id(0), out_offsets, out_ok,
-                              tl.num_programs(1))
+                             tl.num_programs(1))
     if last:  # this program holds the whole row sum: apply the epilogue and store
         if NORM:  # 1/rms(x) factors out of the row sum
             if tl.num_programs(1) > 1:
