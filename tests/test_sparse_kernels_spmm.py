@@ -25,22 +25,24 @@ def test_spmm_under_the_interpreter():
 
 
 # 40 rows: not a multiple of the 32-row tile; 96 columns = 3 words: a multiple of 32 but not of
-# the 2-word K step, and split 2 ways (2 + 1 words); up to the MMA's 16 rows of x.
-CASES = [("2:4", 4), ("4:8", 8), ("8:16", 16), ("16:32", 4), ("2:4", 1), ("16:32", 13)]
+# the 2-word K step, and split 2 ways (2 + 1 words); up to the MMA's 16 rows of x. two_of_four: a
+# bf16 2:4 weight expanded by nibble (the nibble expansion moves 16-bit pairs), else by gather.
+CASES = [("2:4", 4, False), ("4:8", 8, False), ("8:16", 16, False), ("16:32", 4, False), ("2:4", 1, False),
+         ("16:32", 13, False), ("2:4", 4, True), ("2:4", 16, True)]
 
 
 @interpreted
-@pytest.mark.parametrize("pattern,tokens", CASES)
-def test_spmm_matches_float64(pattern, tokens):
-    seed = case_seed(pattern, tokens)
-    values, mask = random_packed(40, 96, pattern, seed)
-    reference_weight = unpack(values, mask).double()
-    # (BLOCK_OUT, WORDS, warps, split): one word a step, then two split 2 + 1
-    for config in [(32, 1, 1, 1), (32, 2, 1, 2)]:
-        x = torch.randn(tokens, 96, generator=torch.Generator().manual_seed(seed + config[1]))
-        out = torch.full((tokens, 40), float("nan"))  # poisoned: an unwritten element fails
-        y = spmm.spmm(x, values, mask, config=config, out=out)
-        assert relative_error(y, x.double() @ reference_weight.T) < 1e-6, config
+@pytest.mark.parametrize("pattern,tokens,two_of_four", CASES)
+def test_spmm_matches_float64(pattern, tokens, two_of_four):
+    dtype = torch.bfloat16 if two_of_four else torch.float32
+    seed = case_seed(pattern, tokens, two_of_four)
+    values, mask = random_packed(40, 96, pattern, seed, dtype=dtype)
+    weight = unpack(values, mask).double()
+    for config in [(32, 1, 1, 1), (32, 2, 1, 2)]:  # (BLOCK_OUT, WORDS, warps, split): one word a step; two, split
+        x = torch.randn(tokens, 96, generator=torch.Generator().manual_seed(seed + config[1])).to(dtype)
+        out = torch.full((tokens, 40), float("nan"), dtype=dtype)  # poisoned: an unwritten element fails
+        y = spmm.spmm(x, values, mask, config=config, out=out, two_of_four=two_of_four)
+        assert relative_error(y, x.double() @ weight.T) < (1e-2 if two_of_four else 1e-6), config  # y in bf16
         assert_workspace_zeroed(x.device)
 
 
@@ -80,23 +82,15 @@ def test_prmt_selectors_expand_every_2of4_nibble():
 
 
 @interpreted
-@pytest.mark.parametrize("tokens", [4, 16])
-def test_spmm_2of4_nibble_expansion_matches_float64(tokens):
-    # bf16 (the expansion moves 32-bit pairs of values); 40 rows, 3 words split 2 + 1, as above.
-    seed = case_seed("2:4 nibble", tokens)
-    values, mask = random_packed(40, 96, "2:4", seed, dtype=torch.bfloat16)
-    reference_weight = unpack(values, mask).double()
-    for config in [(32, 1, 1, 1), (32, 2, 1, 2)]:
-        x = torch.randn(tokens, 96, generator=torch.Generator().manual_seed(seed + config[1])).bfloat16()
-        out = torch.full((tokens, 40), float("nan"), dtype=torch.bfloat16)
-        y = spmm.spmm(x, values, mask, config=config, out=out, two_of_four=True)
-        assert relative_error(y, x.double() @ reference_weight.T) < 1e-2, config  # y rounded to bf16
+def test_spmm_2of4_expands_fp32_by_gather_and_refuses_other_patterns():
     # fp32 W: the gather expansion (the nibble one moves 16-bit pairs); a weight not 16 a word: refused.
-    y = spmm.spmm(x.float(), values.float(), mask, two_of_four=True)
-    assert relative_error(y, x.double() @ reference_weight.T) < 1e-6
-    values_1of4, mask_1of4 = random_packed(40, 96, "1:4", seed)
+    values, mask = random_packed(40, 96, "2:4", 5)
+    x = torch.randn(4, 96, generator=torch.Generator().manual_seed(5))
+    y = spmm.spmm(x, values, mask, two_of_four=True)
+    assert relative_error(y, x.double() @ unpack(values, mask).double().T) < 1e-6
+    values_1of4, mask_1of4 = random_packed(40, 96, "1:4", 5)
     with pytest.raises(ValueError, match="a 2:4 weight keeps 16 values a word, this one 8"):
-        spmm.spmm(x.float(), values_1of4, mask_1of4, two_of_four=True)
+        spmm.spmm(x, values_1of4, mask_1of4, two_of_four=True)
 
 
 # ---------------------------------------------------------------- GPU
