@@ -16,9 +16,13 @@ from sparse.format import keep_largest, packed_shapes
 from sparse.kernels import common, mma_sp, spmm, spmv
 from tests.sparse_kernel_testing import interpreted, relative_error, rerun_under_interpreter
 
+# The pure-PyTorch path and the stand-in races run in the parent process; the subprocess under
+# TRITON_INTERPRET=1 runs the `interpreted` tests only.
+parent_process_only = pytest.mark.skipif(common.INTERPRETING, reason="runs in the parent process")
 TINY = ModelArgs(n_layer=2, n_head=4, n_local_heads=2, dim=64, intermediate_size=96, vocab_size=128, block_size=64)
 
 
+@parent_process_only
 @pytest.mark.parametrize("pattern", ["2:4", "16:32"])
 def test_sparse_linear_matches_pruned_dense(pattern):
     linear = nn.Linear(96, 40, bias=False, dtype=torch.float64)
@@ -35,6 +39,7 @@ def test_linear_under_the_interpreter():
     rerun_under_interpreter(__file__)
 
 
+@parent_process_only
 def test_decode_route_is_measured_once_per_shape_and_row_count(monkeypatch):
     # From ROUTES.race_from_rows rows the SpMV and the SpMM race (each tuned first), once per shape
     # and row count; fewer rows, or where nothing can be timed, follow the threshold. The kernels
@@ -69,6 +74,7 @@ def test_decode_route_is_measured_once_per_shape_and_row_count(monkeypatch):
     assert calls == ["spmv", "spmm"] and len(races) == 1  # 4 rows, and nothing timed: by the threshold
 
 
+@parent_process_only
 def test_tensor_cores_join_the_race_for_bf16_2of4(monkeypatch):
     # A 2:4 weight's matmul of bf16 x, plain or with a residual and/or a prologue (the RMSNorm,
     # silu(gate) * up) fused, races the sparse tensor cores too, at any row count (the SpMM only from
@@ -120,6 +126,7 @@ def test_tensor_cores_join_the_race_for_bf16_2of4(monkeypatch):
     assert all(kw["gated"] is True and kw["residual"] is residual2 for _, kw in options)
 
 
+@parent_process_only
 def test_spmv_packs_bf16_x_from_the_route_tables_rows(monkeypatch):
     x = torch.randn(8, 64).bfloat16()
     assert linear.packs_x(x) and linear.packs_x(x[:4]) and not linear.packs_x(x[:3]) and not linear.packs_x(x.float())
@@ -127,6 +134,7 @@ def test_spmv_packs_bf16_x_from_the_route_tables_rows(monkeypatch):
     assert not linear.packs_x(x[:4]) and linear.packs_x(x)
 
 
+@parent_process_only
 def test_cpu_path_follows_buffers_changed_in_place():
     # The CPU path keeps an unpacked copy; it must not serve stale weights.
     layer = SparseLinear.from_dense(torch.randn(40, 64, dtype=torch.float64), "2:4")
@@ -139,11 +147,13 @@ def test_cpu_path_follows_buffers_changed_in_place():
     assert not torch.allclose(layer(x), before)
 
 
+@parent_process_only
 def test_from_dense_refuses_bias():
     with pytest.raises(ValueError, match="bias"):
         SparseLinear.from_dense(nn.Linear(64, 8), "2:4")
 
 
+@parent_process_only
 def test_swap_to_sparse_keeps_the_model_function():
     torch.manual_seed(0)
     model = Transformer(TINY)
@@ -163,6 +173,7 @@ def test_swap_to_sparse_keeps_the_model_function():
     assert torch.allclose(model(idx, pos), reference(idx, pos), atol=1e-5)
 
 
+@parent_process_only
 def test_swap_linears_for_state_dict_loads_on_meta():
     torch.manual_seed(1)
     source = swap_to_sparse(Transformer(TINY), "4:8")
@@ -324,6 +335,7 @@ def test_gpu_torch_compile_cuda_graphs():
         assert relative_error(compiled(x).clone(), reference) < 1e-2
 
 
+@parent_process_only
 def test_layers_fuse_their_residual_and_prologue_below_the_route_tables_rows(monkeypatch):
     # The residual below ROUTES.residual_apart_from_rows (and the SpMM's rows), the prologue also
     # below ROUTES.prologue_apart_from_rows; a prefill-sized x never.
