@@ -1,15 +1,14 @@
-"""GPU benchmark of the decode-attention kernel (decode_attention.py) alone, as a decode step calls it.
+"""GPU benchmark of the decode-attention kernel (sparse/kernels/decode_attention.py) alone, as a
+decode step calls it.
 
-A whole-model A/B of one attention setting costs a fresh compiled process (~1-2 minutes on the
-H200); this times the kernel for many settings in one: the grid's program target
-(`PROGRAMS_TARGET`: how many splits the cache is cut into), the slots a program walks per block
-(`BLOCK_SLOTS`), the merge in the last split (`MERGE_IN_LAST_SPLIT`), V loaded with K
-(`LOAD_V_WITH_K`) and the software-pipelined block loop (`PIPELINE_STAGES`), at each batch size and
-cache length, with RoPE and the KV write inside (`decode_attention_with_cache_write`, the model's
-path). Every slot of the cache is in use (the new token at the last slot), the worst case of a
+A whole-model A/B of one attention setting costs a fresh compiled process; this times the kernel
+for many settings of its tuning constants in one: the grid's program target (`PROGRAMS_TARGET`:
+how many splits the cache is cut into), the slots a program walks per block (`BLOCK_SLOTS`) and the
+block loop's pipeline stages (`PIPELINE_STAGES`), at each batch size and cache length, with RoPE and
+the KV write inside (`decode_attention_with_cache_write`, the model's path). Every slot of the cache is in use (the new token at the last slot), the worst case of a
 decode step at that length.
 
-Timing as for the SpMV (sparse.kernels.time_in_cuda_graph): calls recorded into one CUDA graph,
+Timing as for the SpMV (sparse/kernels/tuning.py's time_in_cuda_graph): calls recorded into one CUDA graph,
 rotating over enough copies of the KV cache ("layers") to miss the 60 MB L2, as a step's 32 layers
 do. GB/s counts the K and V bytes read (batch x KV heads x slots x head_dim x 2 x 2 bytes).
 Each setting's output is checked against float32 attention over the cache it wrote.
@@ -25,9 +24,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import decode_attention  # noqa: E402
 from model import ModelArgs, apply_rope, precompute_rope  # noqa: E402
-from sparse import kernels  # noqa: E402
+from sparse.kernels import decode_attention  # noqa: E402
+from sparse.kernels.tuning import copies_for, time_in_cuda_graph  # noqa: E402
+
 
 def attention_case(batch: int, n_heads: int, n_kv_heads: int, head_dim: int, slots: int, device="cuda",
                    dtype=torch.bfloat16, seed: int = 0, rope_base: float = 500000.0) -> tuple:
@@ -62,19 +62,19 @@ def reference_attention(case: tuple) -> torch.Tensor:
     return torch.einsum("bhs,bhsd->bhd", scores.softmax(dim=-1), v)
 
 
-# decode_attention's switches, in the order of a setting tuple
-SETTINGS = ("PROGRAMS_TARGET", "BLOCK_SLOTS", "MERGE_IN_LAST_SPLIT", "LOAD_V_WITH_K", "PIPELINE_STAGES")
+# decode_attention's tuning constants, in the order of a setting tuple
+SETTINGS = ("PROGRAMS_TARGET", "BLOCK_SLOTS", "PIPELINE_STAGES")
 
 
 def with_settings(*values):
-    """Set the kernel's module switches SETTINGS (read at every call); return the previous values."""
+    """Set the kernel's tuning constants SETTINGS (read at every call); return the previous values."""
     previous = tuple(getattr(decode_attention, name) for name in SETTINGS)
     for name, value in zip(SETTINGS, values):
         setattr(decode_attention, name, value)
     return previous
 
 
-def bench(models, batches, slot_counts, targets, blocks, merges, v_with_k, stages) -> list:
+def bench(models, batches, slot_counts, targets, blocks, stages) -> list:
     rows = []
     for model in models:
         config = ModelArgs.from_name(model)
@@ -84,9 +84,9 @@ def bench(models, batches, slot_counts, targets, blocks, merges, v_with_k, stage
                 kv_bytes = 2 * batch * n_kv_heads * slots * head_dim * 2
                 layers = [attention_case(batch, n_heads, n_kv_heads, head_dim, slots, seed=layer,
                                          rope_base=config.rope_base)
-                          for layer in range(kernels.copies_for(kv_bytes))]
-                for setting in itertools.product(targets, blocks, merges, v_with_k, stages):
-                    target, block, merge, v_early, pipeline = setting
+                          for layer in range(copies_for(kv_bytes))]
+                for setting in itertools.product(targets, blocks, stages):
+                    target, block, pipeline = setting
                     previous = with_settings(*setting)
                     try:
                         out = decode_attention.decode_attention_with_cache_write(*layers[0]).float()
@@ -94,15 +94,13 @@ def bench(models, batches, slot_counts, targets, blocks, merges, v_with_k, stage
                         error = float((out - reference).norm() / reference.norm())
                         if not error < 1e-2:
                             raise AssertionError(f"{model} b{batch} {slots} slots, target {target}, block "
-                                                 f"{block}, merge {merge}, V with K {v_early}, stages "
-                                                 f"{pipeline}: relative error {error:.2e}")
-                        us = kernels.time_in_cuda_graph(
+                                                 f"{block}, stages {pipeline}: relative error {error:.2e}")
+                        us = time_in_cuda_graph(
                             [lambda c=c: decode_attention.decode_attention_with_cache_write(*c) for c in layers])
                     finally:
                         with_settings(*previous)
                     row = dict(model=model, batch=batch, slots=slots, programs_target=target, block_slots=block,
-                               merge_in_last_split=merge, v_with_k=v_early, pipeline_stages=pipeline, us=round(us, 2),
-                               gb_s=round(kv_bytes / us / 1e3), error=error)
+                               pipeline_stages=pipeline, us=round(us, 2), gb_s=round(kv_bytes / us / 1e3), error=error)
                     rows.append(row)
                     print(json.dumps(row), flush=True)
                 del layers
@@ -112,10 +110,10 @@ def bench(models, batches, slot_counts, targets, blocks, merges, v_with_k, stage
 
 def markdown_table(rows: list) -> str:
     """One line per (model, slots, batch): the committed setting's time, and the fastest setting."""
-    keys = ("programs_target", "block_slots", "merge_in_last_split", "v_with_k", "pipeline_stages")
+    keys = ("programs_target", "block_slots", "pipeline_stages")
     committed = tuple(getattr(decode_attention, name) for name in SETTINGS)
     lines = ["| model | slots | batch | committed µs (GB/s) | fastest µs (GB/s) "
-             "| its target / block / merge / V with K / stages |", "|---|---|---|---|---|---|"]
+             "| its target / block / stages |", "|---|---|---|---|---|---|"]
     cases = sorted({(r["model"], r["slots"], r["batch"]) for r in rows})
     for case in cases:
         group = [r for r in rows if (r["model"], r["slots"], r["batch"]) == case]
@@ -134,9 +132,7 @@ def main():
     p.add_argument("--slots", default="768,4096", help="cache lengths (all slots in use)")
     p.add_argument("--targets", default="132,264,528,1056", help="PROGRAMS_TARGET values")
     p.add_argument("--blocks", default="32,64,128", help="BLOCK_SLOTS values")
-    p.add_argument("--merges", default="1", help="MERGE_IN_LAST_SPLIT values (1, 0 or 1,0)")
-    p.add_argument("--v-with-k", default="0,1", help="LOAD_V_WITH_K values")
-    p.add_argument("--stages", default="1", help="PIPELINE_STAGES values, e.g. 1,2,3")
+    p.add_argument("--stages", default="2", help="PIPELINE_STAGES values, e.g. 1,2,3")
     p.add_argument("--out-md", type=Path)
     p.add_argument("--out-json", type=Path)
     args = p.parse_args()
@@ -149,7 +145,7 @@ def main():
         except ValueError as e:
             sys.exit(f"bench_attention.py: {e}")
     rows = bench(args.models.split(","), ints(args.batches), ints(args.slots), ints(args.targets), ints(args.blocks),
-                 [bool(v) for v in ints(args.merges)], [bool(v) for v in ints(args.v_with_k)], ints(args.stages))
+                 ints(args.stages))
     table = markdown_table(rows)
     print(table)
     for path, text in ((args.out_json, json.dumps(rows, indent=1)), (args.out_md, table + "\n")):

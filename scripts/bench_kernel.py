@@ -3,12 +3,12 @@
 For every linear shape of Llama-3.1-8B, Qwen3-14B, Qwen3-32B and Llama-3.3-70B, at batch 1, 4, 8,
 16 and a 2048-token prefill: median time per call, achieved GB/s, speedup over cuBLAS bf16
 `F.linear`, over `to_sparse_semi_structured` (2:4, cuSPARSELt), the same SpMV with the prologue or
-epilogue a decode step runs with it for that layer (up to 8 rows; DECODE_FUSION: fused into the SpMV, or from
-PROLOGUE_APART_MIN_ROWS rows the prologue as its own kernel before it), and the bandwidth floor (the
-packed bytes over the fastest read bandwidth cuBLAS reached in the same run: a device copy,
-which also writes, measured only 2.77 TB/s here while GEMV streams read 4.18).
+epilogue a decode step runs with it for that layer (up to 8 rows; DECODE_FUSION: fused into the SpMV,
+or from the route table's prologue_apart_from_rows the prologue as its own kernel before it), the
+sparse tensor cores (2:4), and the bandwidth floor (the packed bytes over the fastest read bandwidth
+cuBLAS reached in the same run; a device copy also writes, so it understates the read bandwidth).
 
-Timing (kernels.time_in_cuda_graph, which the SpMV autotuner uses too): each measured call is
+Timing (sparse/kernels/tuning.py's time_in_cuda_graph, which the autotuners use too): each measured call is
 recorded many times into one CUDA graph, rotating over enough copies of the weights that they
 cannot sit in the 60 MB L2; the graph is replayed and the median replay time divided by the calls
 in it. Launch gaps inside a graph are what a compiled decode step sees, so they are part of the
@@ -22,6 +22,7 @@ in the table each timed kernel's tuned launch against float64 (`check_against_fl
     python scripts/bench_kernel.py --sweep   # config sweep on a few shapes (what the autotuner picks from)
     python scripts/bench_kernel.py --chain Llama-3.1-8B   # a decode step's 128 SpMVs back to back, with and without PDL
     python scripts/bench_kernel.py --pack-x Llama-3.1-8B --batches 2,4,8,16   # x shuffled per row vs in bf16 pairs
+    python scripts/bench_kernel.py --unpack-sweep all   # the prefill's expansion kernel, config by config
     python scripts/bench_kernel.py --ncu-shapes 4096x4096   # targets for Nsight Compute (see ncu_targets)
 """
 import argparse
@@ -35,9 +36,12 @@ import torch.nn.functional as F
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from sparse import kernels, linear, mma_sp, spmm  # noqa: E402
+from sparse import linear  # noqa: E402
 from sparse.format import pack, parse_pattern, unpack  # noqa: E402
-from sparse.linear import PROLOGUE_APART_MIN_ROWS, spmm_min_rows  # noqa: E402
+from sparse.kernels import common, mma_sp, spmm, spmv  # noqa: E402
+from sparse.kernels.tuning import copies_for, time_in_cuda_graph  # noqa: E402
+from sparse.kernels.unpack import unpack_to_dense  # noqa: E402
+from sparse.linear import spmm_min_rows  # noqa: E402
 
 SHAPES = {  # (layer, out_features, in_features); qkv and w13 fused as in model.py
     "Llama-3.1-8B": [("qkv", 6144, 4096), ("o", 4096, 4096), ("w13", 28672, 4096), ("w2", 4096, 14336)],
@@ -64,10 +68,9 @@ def check_against_float64(kernel: str, y: torch.Tensor, x: torch.Tensor, values,
 
 
 def sparse_call(x, values, mask, config=None):
-    if x.shape[0] <= kernels.MAX_SPMV_BATCH:
-        return lambda: kernels.spmv(x, values, mask, config)
-    # The prefill: expanded to dense and cuBLAS, in linear.PREFILL_SLICES slices (--prefill-slices)
-    return lambda: linear.prefill_matmul(x, values, mask, linear.PREFILL_SLICES)
+    if x.shape[0] <= spmv.MAX_ROWS:  # the SpMV, x packed in bf16 pairs as SparseLinear would
+        return lambda: spmv.spmv(x, values, mask, config, pack_x=linear.packs_x(x))
+    return lambda: linear.prefill_matmul(x, values, mask)  # the prefill: expanded to dense, then cuBLAS
 
 
 # What a decode step's SparseLinear does inside its SpMV launch (model.project), per layer: the
@@ -82,13 +85,13 @@ def has_prologue(layer: str) -> bool:
 
 def fused_sparse_call(layer: str, batch: int, values, mask, pack_x=None, tensor_cores=False):
     """The SpMV as a decode step runs it for this layer, with its inputs and the config tuned for
-    this fusion (kernels.spmv_config); pack_x as kernels.spmv takes it. tensor_cores: the sparse
-    tensor cores' product with the same fusion instead (2:4)."""
+    this fusion (spmv.spmv_config); pack_x as spmv.spmv takes it (None: as SparseLinear would).
+    tensor_cores: the sparse tensor cores' product with the same fusion instead (2:4)."""
     n_words, n_rows = mask.shape
     fusion = DECODE_FUSION[layer]
     device, dtype = values.device, values.dtype
     x = torch.randn(batch, n_words * 32 * (2 if fusion.get("gated") else 1), device=device, dtype=dtype)
-    options = dict(gated=fusion.get("gated", False), pack_x=pack_x)
+    options = dict(gated=fusion.get("gated", False), pack_x=linear.packs_x(x) if pack_x is None else pack_x)
     if fusion.get("norm"):
         options.update(norm_weight=torch.rand(n_words * 32, device=device, dtype=dtype) + 0.5, norm_eps=1e-5)
     if fusion.get("residual"):
@@ -96,7 +99,7 @@ def fused_sparse_call(layer: str, batch: int, values, mask, pack_x=None, tensor_
     if tensor_cores:
         del options["pack_x"]
         return lambda: mma_sp.spmv_2of4(x, values, mask, **options)
-    return lambda: kernels.spmv(x, values, mask, **options)
+    return lambda: spmv.spmv(x, values, mask, **options)
 
 
 @torch.compile(fullgraph=True)
@@ -123,16 +126,17 @@ def unfused_sparse_call(layer: str, batch: int, values, mask, pack_x=None):
     norm_weight = torch.rand(n_words * 32, device=device, dtype=dtype) + 0.5
     residual = torch.randn(batch, n_rows, device=device, dtype=dtype) if fusion.get("residual") else None
     prologue = (lambda: _silu_mul(x)) if fusion.get("gated") else (lambda: _rms_norm(x, norm_weight))
-    return lambda: kernels.spmv(prologue(), values, mask, residual=residual, pack_x=pack_x)
+    pack_x = linear.packs_x(x) if pack_x is None else pack_x
+    return lambda: spmv.spmv(prologue(), values, mask, residual=residual, pack_x=pack_x)
 
 
 def decode_chain(model: str, pattern: str = "2:4", layers: int = 32, distinct: int = 8,
-                 pdl_l2_mb=(kernels.PDL_L2_PREFETCH_BYTES / 2 ** 20, 0)) -> list:
+                 pdl_l2_mb=(common.PDL_L2_PREFETCH_BYTES / 2 ** 20, 0)) -> list:
     """The SpMV part of a batch-1 decode step: `layers` layers of qkv (norm) -> o (residual) -> w13
     (norm) -> w2 (gated + residual), each reading the output of the one before, with a small copy
     kernel between qkv and o where attention would be; microseconds per step, measured twice, for
     each L2 prefetch budget of the SpMV's programmatic dependent launch in `pdl_l2_mb` (MB; 0:
-    plain launches; kernels.PDL_L2_PREFETCH_BYTES), one row each. `distinct` different layers'
+    plain launches; common.PDL_L2_PREFETCH_BYTES), one row each. `distinct` different layers'
     weights are cycled (enough to miss the L2). Compare with the SpMV's share of a profiled decode
     step (bench_decode.py --profile)."""
     shapes = {layer: (out_features, in_features) for layer, out_features, in_features in SHAPES[model]}
@@ -146,24 +150,24 @@ def decode_chain(model: str, pattern: str = "2:4", layers: int = 32, distinct: i
         h = h0
         for i in range(layers):
             w = weights[i % distinct]
-            qkv = kernels.spmv(h, *w["qkv"], norm_weight=norm_weight, norm_eps=1e-5)
+            qkv = spmv.spmv(h, *w["qkv"], norm_weight=norm_weight, norm_eps=1e-5)
             attention.copy_(qkv[:, :attention.shape[1]])  # stands in for RoPE and attention
-            h = kernels.spmv(attention, *w["o"], residual=h)
-            gate_up = kernels.spmv(h, *w["w13"], norm_weight=norm_weight, norm_eps=1e-5)
-            h = kernels.spmv(gate_up, *w["w2"], gated=True, residual=h)
+            h = spmv.spmv(attention, *w["o"], residual=h)
+            gate_up = spmv.spmv(h, *w["w13"], norm_weight=norm_weight, norm_eps=1e-5)
+            h = spmv.spmv(gate_up, *w["w2"], gated=True, residual=h)
         return h
 
     rows = []
     for megabytes in pdl_l2_mb:  # the same configs (tuned at the first), each prefetch budget in turn
-        with kernels.pdl_l2_prefetch(megabytes * 2 ** 20):
+        with common.pdl_l2_prefetch(megabytes * 2 ** 20):
             rows.append(dict(model=model, layers=layers, pdl_l2_mb=megabytes,
-                             step_us=[kernels.time_in_cuda_graph([step], replays=21) for _ in range(2)]))
+                             step_us=[time_in_cuda_graph([step], replays=21) for _ in range(2)]))
     return rows
 
 
 def pack_x_ab(models, batches) -> list:
     """The SpMV with x shuffled one row per register against two rows per register (bf16 pairs,
-    kernels.packs_x), each with its own autotuned config, plain, with the layer's fused prologue
+    linear.packs_x), each with its own autotuned config, plain, with the layer's fused prologue
     and epilogue (DECODE_FUSION, up to 8 rows) and with the prologue as a kernel of its own
     (unfused_sparse_call), the tensor-core SpMM from spmm_min_rows(2:4) rows, and cuBLAS; each plain SpMV's output
     checked against float64 first."""
@@ -174,32 +178,32 @@ def pack_x_ab(models, batches) -> list:
         values, mask = pack(weight, "2:4")
         reference_weight = unpack(values, mask).double()
         nbytes = values.numel() * 2 + mask.numel() * 4
-        packed = [(values, mask)] + [(values.clone(), mask.clone()) for _ in range(kernels.copies_for(nbytes) - 1)]
-        weights = [weight] + [weight.clone() for _ in range(kernels.copies_for(weight.numel() * 2) - 1)]
+        packed = [(values, mask)] + [(values.clone(), mask.clone()) for _ in range(copies_for(nbytes) - 1)]
+        weights = [weight] + [weight.clone() for _ in range(copies_for(weight.numel() * 2) - 1)]
         for batch in batches:
             x = torch.randn(batch, in_features, device="cuda", dtype=torch.bfloat16)
             row = dict(layer=layer, out=out_features, inp=in_features, batch=batch,
-                       dense_us=kernels.time_in_cuda_graph([lambda w=w: F.linear(x, w) for w in weights]))
+                       dense_us=time_in_cuda_graph([lambda w=w: F.linear(x, w) for w in weights]))
             reference = x.double() @ reference_weight.T
             for pack_x in (False, True):
-                config = kernels.spmv_config(x, values, mask, pack_x)
-                y = kernels.spmv(x, values, mask, config=config, pack_x=pack_x).double()
+                config = spmv.spmv_config(x, values, mask, pack_x)
+                y = spmv.spmv(x, values, mask, config=config, pack_x=pack_x).double()
                 error = float((y - reference).norm() / reference.norm())
                 if not error < 1e-2:
                     raise AssertionError(f"spmv pack_x={pack_x} {config} is wrong on {out_features}x{in_features} "
                                          f"b{batch}: relative error {error:.2e}")
                 name = "packed" if pack_x else "plain"
                 row[f"{name}_config"], row[f"{name}_error"] = list(config), error
-                row[f"{name}_us"] = kernels.time_in_cuda_graph(
-                    [lambda v=v, m=m: kernels.spmv(x, v, m, config=config, pack_x=pack_x) for v, m in packed])
+                row[f"{name}_us"] = time_in_cuda_graph(
+                    [lambda v=v, m=m: spmv.spmv(x, v, m, config=config, pack_x=pack_x) for v, m in packed])
                 if batch < spmm_min_rows(two_of_four=True):
-                    row[f"{name}_fused_us"] = kernels.time_in_cuda_graph(
+                    row[f"{name}_fused_us"] = time_in_cuda_graph(
                         [fused_sparse_call(layer, batch, v, m, pack_x) for v, m in packed])
                     if has_prologue(layer):  # o has none
-                        row[f"{name}_unfused_us"] = kernels.time_in_cuda_graph(
+                        row[f"{name}_unfused_us"] = time_in_cuda_graph(
                             [unfused_sparse_call(layer, batch, v, m, pack_x) for v, m in packed])
             if batch >= spmm_min_rows(two_of_four=True):
-                row["spmm_us"] = kernels.time_in_cuda_graph([lambda v=v, m=m: spmm.spmm(x, v, m) for v, m in packed])
+                row["spmm_us"] = time_in_cuda_graph([lambda v=v, m=m: spmm.spmm(x, v, m) for v, m in packed])
             rows.append(row)
             print(f"{layer} {out_features}x{in_features} b{batch}: cuBLAS {row['dense_us']:.1f}  plain "
                   f"{row['plain_us']:.1f} {tuple(row['plain_config'])}  packed {row['packed_us']:.1f} "
@@ -231,7 +235,7 @@ UNPACK_CONFIGS = [(64, 4, 4), (128, 2, 4), (32, 8, 4), (64, 4, 8), (128, 4, 8), 
 
 
 def unpack_sweep(shapes, configs=UNPACK_CONFIGS) -> list:
-    """The prefill's expansion to dense (kernels.unpack_to_dense), each config (rows, words, warps
+    """The prefill's expansion to dense (unpack_to_dense), each config (rows, words, warps
     per program): µs per call and GB/s of packed bytes read + dense bytes written; each config's
     output checked against format.unpack first."""
     from sparse.format import unpack
@@ -240,12 +244,12 @@ def unpack_sweep(shapes, configs=UNPACK_CONFIGS) -> list:
         values, mask = pack(random_weight(out_features, in_features), "2:4")
         expected = unpack(values, mask)
         nbytes = values.numel() * 2 + mask.numel() * 4 + out_features * in_features * 2
-        packed = [(values, mask)] + [(values.clone(), mask.clone()) for _ in range(kernels.copies_for(nbytes) - 1)]
+        packed = [(values, mask)] + [(values.clone(), mask.clone()) for _ in range(copies_for(nbytes) - 1)]
         outs = [torch.empty(out_features, in_features, device="cuda", dtype=torch.bfloat16) for _ in packed]
         for config in configs:
-            if not torch.equal(kernels.unpack_to_dense(values, mask, config=config), expected):
+            if not torch.equal(unpack_to_dense(values, mask, config=config), expected):
                 raise AssertionError(f"unpack_to_dense {config} is wrong on {out_features}x{in_features}")
-            us = kernels.time_in_cuda_graph([lambda v=v, m=m, o=o: kernels.unpack_to_dense(v, m, out=o, config=config)
+            us = time_in_cuda_graph([lambda v=v, m=m, o=o: unpack_to_dense(v, m, out=o, config=config)
                                              for (v, m), o in zip(packed, outs)])
             rows.append(dict(out=out_features, inp=in_features, config=list(config), us=us, gbps=nbytes / us / 1e3))
             print(f"{out_features}x{in_features} {config}: {us:.1f} µs {rows[-1]['gbps']:.0f} GB/s", flush=True)
@@ -289,26 +293,27 @@ def bench_shape(out_features, in_features, batch, pattern, with_semi=True, layer
     io_bytes = batch * (in_features + out_features) * 2
     x = torch.randn(batch, in_features, device="cuda", dtype=torch.bfloat16)
 
-    packed = [(values, mask)] + [(values.clone(), mask.clone()) for _ in range(kernels.copies_for(sparse_bytes) - 1)]
-    sparse_us = kernels.time_in_cuda_graph([sparse_call(x, v, m) for v, m in packed])
+    packed = [(values, mask)] + [(values.clone(), mask.clone()) for _ in range(copies_for(sparse_bytes) - 1)]
+    sparse_us = time_in_cuda_graph([sparse_call(x, v, m) for v, m in packed])
     check_against_float64("the SpMV/SpMM/prefill", sparse_call(x, values, mask)(), x, values, mask)
     fused_us = None
     # The rows a decode step fuses (SparseLinear.fuses).
     if layer in DECODE_FUSION and batch < spmm_min_rows(parse_pattern(pattern) == (2, 4)):
-        decode_call = unfused_sparse_call if has_prologue(layer) and batch >= PROLOGUE_APART_MIN_ROWS else fused_sparse_call
-        fused_us = kernels.time_in_cuda_graph([decode_call(layer, batch, v, m) for v, m in packed])
+        prologue_apart = has_prologue(layer) and batch >= linear.ROUTES.prologue_apart_from_rows
+        decode_call = unfused_sparse_call if prologue_apart else fused_sparse_call
+        fused_us = time_in_cuda_graph([decode_call(layer, batch, v, m) for v, m in packed])
     tensor_core_us = tensor_core_fused_us = None
     if pattern == "2:4" and batch <= mma_sp.MAX_ROWS:  # the same weights on the sparse tensor cores
         mma_sp.spmv_2of4_tuned(x, values, mask)  # its config for this shape, tuned outside the timing
-        tensor_core_us = kernels.time_in_cuda_graph([lambda v=v, m=m: mma_sp.spmv_2of4(x, v, m) for v, m in packed])
+        tensor_core_us = time_in_cuda_graph([lambda v=v, m=m: mma_sp.spmv_2of4(x, v, m) for v, m in packed])
         check_against_float64("the sparse tensor cores", mma_sp.spmv_2of4(x, values, mask), x, values, mask)
         if fused_us is not None and decode_call is fused_sparse_call:
             calls = [fused_sparse_call(layer, batch, v, m, tensor_cores=True) for v, m in packed]
             calls[0]()  # tunes its config for this fusion, outside the timing
-            tensor_core_fused_us = kernels.time_in_cuda_graph(calls)
+            tensor_core_fused_us = time_in_cuda_graph(calls)
     del packed
-    weights = [weight] + [weight.clone() for _ in range(kernels.copies_for(dense_bytes) - 1)]
-    dense_us = kernels.time_in_cuda_graph([lambda w=w: F.linear(x, w) for w in weights])
+    weights = [weight] + [weight.clone() for _ in range(copies_for(dense_bytes) - 1)]
+    dense_us = time_in_cuda_graph([lambda w=w: F.linear(x, w) for w in weights])
     del weights
     row = dict(out=out_features, inp=in_features, batch=batch, pattern=pattern,
                sparse_us=sparse_us, fused_us=fused_us, dense_us=dense_us, speedup=dense_us / sparse_us,
@@ -320,82 +325,71 @@ def bench_shape(out_features, in_features, batch, pattern, with_semi=True, layer
         if tensor_core_fused_us is not None and has_prologue(layer):
             row["tensor_core_fused_config"] = mma_sp.spmv_2of4_config(
                 x, mask, "norm" if DECODE_FUSION[layer].get("norm") else "gated")
-    if batch <= kernels.MAX_SPMV_BATCH:  # the configs the tuner picked (already timed: no tuning here)
-        row["config"] = kernels.spmv_config(x, values, mask, kernels.packs_x(x))
+    if batch <= spmv.MAX_ROWS:  # the configs the tuner picked (already timed: no tuning here)
+        row["config"] = spmv.spmv_config(x, values, mask, linear.packs_x(x))
         if fused_us is not None and decode_call is fused_sparse_call:
-            row["fused_config"] = kernels.spmv_config(x, values, mask, kernels.packs_x(x), **{
+            row["fused_config"] = spmv.spmv_config(x, values, mask, linear.packs_x(x), **{
                 name: DECODE_FUSION[layer].get(name, False) for name in ("norm", "gated", "residual")})
-    if batch > kernels.MAX_SPMV_BATCH:
-        expand_calls = [lambda: kernels.unpack_to_dense(values, mask)]
-        row["expand_us"] = kernels.time_in_cuda_graph(expand_calls)
+    if batch > spmv.MAX_ROWS:
+        expand_calls = [lambda: unpack_to_dense(values, mask)]
+        row["expand_us"] = time_in_cuda_graph(expand_calls)
     if with_semi and pattern == "2:4":
-        weight_24 = kernels.unpack_to_dense(values, mask)
-        semi_us, semi_error = semi_structured_time(weight_24, x, kernels.copies_for(sparse_bytes))
+        weight_24 = unpack_to_dense(values, mask)
+        semi_us, semi_error = semi_structured_time(weight_24, x, copies_for(sparse_bytes))
         row["semi_us"], row["semi_error"] = semi_us, semi_error
         row["speedup_vs_semi"] = semi_us / sparse_us if semi_us else None
     return row
 
 
 def sweep(shapes=SWEEP_SHAPES, batches=(1, 4, 16)) -> list:
-    """Time every config the autotuner picks from (kernels.candidate_configs) on a few shapes, the
-    autotuned choice, cuBLAS on the same shape, and at batch 1 the interpreter-safe path (x gathered
-    from L1 instead of shuffled, plain loads, float-exponent bit scan) with the tuned config."""
+    """Time every config the autotuner picks from (spmv.candidate_configs) on a few shapes, the
+    autotuned choice and cuBLAS on the same shape."""
     rows = []
     for out_features, in_features in shapes:
         weight = random_weight(out_features, in_features)
         values, mask = pack(weight, "2:4")
         n_words = in_features // 32
         packed = [(values, mask)] + [(values.clone(), mask.clone())
-                                     for _ in range(kernels.copies_for(values.numel() * 2 + mask.numel() * 4) - 1)]
-        weights = [weight] + [weight.clone() for _ in range(kernels.copies_for(weight.numel() * 2) - 1)]
+                                     for _ in range(copies_for(values.numel() * 2 + mask.numel() * 4) - 1)]
+        weights = [weight] + [weight.clone() for _ in range(copies_for(weight.numel() * 2) - 1)]
         for batch in batches:
             x = torch.randn(batch, in_features, device="cuda", dtype=torch.bfloat16)
-            dense_us = kernels.time_in_cuda_graph([lambda w=w: F.linear(x, w) for w in weights], replays=7)
+            dense_us = time_in_cuda_graph([lambda w=w: F.linear(x, w) for w in weights], replays=7)
             rows.append(dict(out=out_features, inp=in_features, batch=batch, dense=True, us=dense_us))
-            reference = F.linear(x.double(), kernels.unpack_to_dense(values, mask).double())
-            for config in kernels.candidate_configs(out_features, n_words, batch):
+            reference = F.linear(x.double(), unpack_to_dense(values, mask).double())
+            for config in spmv.candidate_configs(out_features, n_words, batch):
                 error = float((sparse_call(x, values, mask, config)().double() - reference).norm() / reference.norm())
-                us = kernels.time_in_cuda_graph([sparse_call(x, v, m, config) for v, m in packed], replays=7)
+                us = time_in_cuda_graph([sparse_call(x, v, m, config) for v, m in packed], replays=7)
                 rows.append(dict(out=out_features, inp=in_features, batch=batch, config=config, us=us, error=error))
                 print(f"{out_features}x{in_features} b{batch} {config}: {us:.1f} us, relative error {error:.1e}"
                       f"{'  WRONG' if not error < 1e-2 else ''}", flush=True)
-            tuned = kernels.spmv_config(x, values, mask)
+            tuned = spmv.spmv_config(x, values, mask, linear.packs_x(x))
             rows.append(dict(out=out_features, inp=in_features, batch=batch, config=tuned, tuned=True,
-                             us=kernels.time_in_cuda_graph([sparse_call(x, v, m) for v, m in packed])))
-            if batch == 1:
-                kernels.INTERPRETING = True  # the launcher passes it as INTERPRETER_SAFE
-                try:
-                    us = kernels.time_in_cuda_graph([sparse_call(x, v, m, tuned) for v, m in packed])
-                finally:
-                    kernels.INTERPRETING = False
-                rows.append(dict(out=out_features, inp=in_features, batch=batch, config=tuned, safe_scan=True, us=us))
+                             us=time_in_cuda_graph([sparse_call(x, v, m) for v, m in packed])))
         del packed, values, mask, weights
     return rows
 
 
 def sweep_summary(rows: list) -> str:
-    """One line per (shape, batch): cuBLAS, the best correct config, the tuned one, the safe path;
-    then any config whose output was wrong."""
-    best, dense, tuned, safe, wrong = {}, {}, {}, {}, []
+    """One line per (shape, batch): cuBLAS, the best correct config, the tuned one; then any config
+    whose output was wrong."""
+    best, dense, tuned, wrong = {}, {}, {}, []
     for r in rows:
         key = (r["out"], r["inp"], r["batch"])
         if r.get("dense"):
             dense[key] = r["us"]
         elif r.get("tuned"):
             tuned[key] = r
-        elif r.get("safe_scan"):
-            safe[key] = r["us"]
         elif not r.get("error", 0) < 1e-2:
             wrong.append(f"{key} {r['config']}: relative error {r.get('error')}")
         elif key not in best or r["us"] < best[key]["us"]:
             best[key] = r
-    lines = ["| out×in | batch | cuBLAS µs | best config | best µs | speedup | tuned config | tuned µs | speedup | safe path µs |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| out×in | batch | cuBLAS µs | best config | best µs | speedup | tuned config | tuned µs | speedup |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for key, b in best.items():
-        t, safe_us = tuned[key], f"{safe[key]:.1f}" if key in safe else "-"
+        t = tuned[key]
         lines.append(f"| {key[0]}×{key[1]} | {key[2]} | {dense[key]:.1f} | {b['config']} | {b['us']:.1f} | "
-                     f"{dense[key] / b['us']:.2f}× | {t['config']} | {t['us']:.1f} | {dense[key] / t['us']:.2f}× | "
-                     f"{safe_us} |")
+                     f"{dense[key] / b['us']:.2f}× | {t['config']} | {t['us']:.1f} | {dense[key] / t['us']:.2f}× |")
     lines += [f"WRONG (excluded): {w}" for w in wrong]
     return "\n".join(lines)
 
@@ -419,9 +413,8 @@ def ncu_targets(shapes, batch: int = 1, configs: list = None) -> list:
 
     Compiles run outside the ranges, so ncu skips them. Tuning under ncu is no tuning: its launch
     interception made the SpMV's tuner pick other configs than the benchmark's on all three shapes
-    on 2026-12-04 (10.3/41.9/22.7 µs profiled against 7.5/33.4/18.1), so `configs` (the rows an
-    earlier run without ncu wrote) gives each shape's tuned config instead. The session-4 profiles
-    in docs/KERNEL_NOTES.md came from this mode (with each variant's best config in place)."""
+    (slower ones), so `configs` (the rows an earlier run without ncu wrote) gives each shape's tuned
+    config instead."""
     on_spmm = batch >= spmm_min_rows(two_of_four=True)
     kernel = "spmm" if on_spmm else "spmv"
     given = {(r["out"], r["inp"], r["batch"], r["kernel"]): tuple(r["config"]) for r in configs or []}
@@ -436,8 +429,8 @@ def ncu_targets(shapes, batch: int = 1, configs: list = None) -> list:
             config = config or spmm.spmm_config(x, values, mask, two_of_four=True)
             launch = lambda: spmm.spmm(x, values, mask, config=config, two_of_four=True)  # noqa: E731
         else:
-            config = config or kernels.spmv_config(x, values, mask)
-            launch = lambda: kernels.spmv(x, values, mask, config)  # noqa: E731
+            config = config or spmv.spmv_config(x, values, mask)
+            launch = lambda: spmv.spmv(x, values, mask, config)  # noqa: E731
         launch()  # compiled and warm before the profiled launch
         torch.cuda.synchronize()
         torch.cuda.nvtx.range_push(kernel)
@@ -457,8 +450,9 @@ def markdown_table(rows: list) -> str:
              "Times in µs per call inside a CUDA graph; speedup = cuBLAS time / sparse time; torch 2:4 is "
              "`to_sparse_semi_structured` + F.linear timed eagerly; fused µs: the same SpMV with the work a "
              "decode step gives it (RMSNorm before qkv/w13, silu·mul before w2, residual after o/w2; from "
-             f"{PROLOGUE_APART_MIN_ROWS} rows the prologue as its own Inductor kernel before the SpMV, as the step runs it); "
-             "sparse TC: the same 2:4 weights on the sparse tensor cores (sparse/mma_sp.py, no fusions), x cuBLAS; "
+             f"{linear.ROUTES.prologue_apart_from_rows} rows the prologue as its own Inductor kernel before the SpMV, "
+             "as the step runs it); sparse TC: the same 2:4 weights on the sparse tensor cores (sparse/kernels/mma_sp.py, "
+             "no fusions), x cuBLAS; "
              "TC fused µs: the same with the fusions of the SpMV's fused µs.", "",
              "| model | layer | out×in | batch | sparse µs | GB/s | floor µs | cuBLAS µs | speedup | fused µs | torch 2:4 µs | vs 2:4 "
              "| sparse TC µs (x cuBLAS) | TC fused µs |",
@@ -492,15 +486,12 @@ def main():
                    help="--out-json of an --ncu-shapes run outside ncu: launch its tuned configs, no tuning")
     p.add_argument("--unpack-sweep", help="OUTxIN,... or 'all': time the prefill's expansion kernels and configs")
     p.add_argument("--chain", help="MODEL,...: time the SpMV chain of a decode step (decode_chain) instead")
-    p.add_argument("--pdl-l2-mb", default=f"{kernels.PDL_L2_PREFETCH_BYTES / 2 ** 20:g},0",
+    p.add_argument("--pdl-l2-mb", default=f"{common.PDL_L2_PREFETCH_BYTES / 2 ** 20:g},0",
                    help="with --chain: the SpMV's PDL L2 prefetch budgets to time, MB (0: plain launches)")
     p.add_argument("--pack-x", help="MODEL,...: x one row per register against bf16 pairs (pack_x_ab), at --batches")
-    p.add_argument("--prefill-slices", type=int, help="time the prefill with linear.PREFILL_SLICES set to this")
     p.add_argument("--out-md", type=Path)
     p.add_argument("--out-json", type=Path)
     args = p.parse_args()
-    if args.prefill_slices:
-        linear.PREFILL_SLICES = args.prefill_slices
     if not torch.cuda.is_available():
         sys.exit("bench_kernel.py needs a CUDA GPU")
     torch.manual_seed(0)

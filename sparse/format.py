@@ -17,7 +17,7 @@ with C = min(8, nnz) values per chunk (`values_per_chunk`): a thread reads a wor
 follow from (in, out, pattern) alone, so a model can be built on the meta device and loaded with
 `load_state_dict(assign=True)`.
 
-Checkpoints name this layout "bitmask-v2" (`FORMAT`). "bitmask-v1" (before 2026-12-01) stored
+Checkpoints name this layout "bitmask-v2" (`FORMAT`). "bitmask-v1" (the earlier layout) stored
 values as (in/32 · nnz, out), value s of word k of row r at [k·nnz + s, r]; `values_from_v1`
 converts, and generate.load_model does so on load.
 

@@ -1,5 +1,4 @@
-"""Helpers shared by the sparse kernel tests (test_sparse_kernels.py, test_sparse_spmm.py,
-test_sparse_linear.py).
+"""Helpers shared by the sparse kernel tests (tests/test_sparse_kernels_*.py, test_sparse_linear.py).
 
 Triton reads TRITON_INTERPRET when it decorates a kernel, i.e. when sparse/ is first imported,
 and other test modules import sparse/ first; so a kernel test module re-runs itself in a fresh
@@ -14,10 +13,10 @@ import zlib
 import pytest
 import torch
 
-from sparse import kernels
 from sparse.format import pack
+from sparse.kernels import common, tuning
 
-interpreted = pytest.mark.skipif(not kernels.INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess")
+interpreted = pytest.mark.skipif(not common.INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess")
 
 
 def rerun_under_interpreter(test_file: str):
@@ -30,6 +29,12 @@ def rerun_under_interpreter(test_file: str):
 
 def relative_error(y: torch.Tensor, reference: torch.Tensor) -> float:
     return float((y.double() - reference).norm() / reference.norm())
+
+
+def assert_workspace_zeroed(device):
+    """Split K must leave the shared workspace and its arrival counters zeroed for the next call."""
+    workspace, arrivals = common.split_k_workspace(device, 0, 0)
+    assert not workspace.any() and not arrivals.any(), "split-K must leave its workspace zeroed"
 
 
 def random_packed(out_features: int, in_features: int, pattern: str, seed: int, device="cpu", dtype=torch.float32):
@@ -45,11 +50,11 @@ def case_seed(*parts) -> int:
 
 
 def compiled_first(kernel, configs, compile_only):
-    """Yields `configs` after compiling them all with kernels.compile_all (compile_only(c): a launch
+    """Yields `configs` after compiling them all with tuning.compile_all (compile_only(c): a launch
     with compile_only=True), then, once the caller has launched each, checks that none of those
     launches had to compile (the kernel's JIT cache on the current GPU did not grow). GPU only."""
     configs = list(configs)
-    kernels.compile_all(configs, compile_only)
+    tuning.compile_all(configs, compile_only)
     cache = kernel.device_caches[torch.cuda.current_device()][0]
     compiled = len(cache)
     yield from configs

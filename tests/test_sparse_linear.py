@@ -1,18 +1,28 @@
-"""sparse/linear.py: SparseLinear on CPU (pure PyTorch path), model swapping and meta-device loading;
-GPU tests (marked `gpu`) run the Triton kernels on real layer shapes, eagerly and under
-torch.compile with CUDA graphs."""
+"""sparse/linear.py: SparseLinear on CPU (pure PyTorch path), its route table and measured route,
+model swapping and meta-device loading; a whole model's decode step and the prefill through the real
+kernels on CPU under TRITON_INTERPRET=1 (in a subprocess, tests/sparse_kernel_testing.py); GPU tests
+(marked `gpu`) run the Triton kernels on real layer shapes, eagerly and under torch.compile with CUDA
+graphs."""
+import dataclasses
+
 import pytest
 import torch
 import torch.nn as nn
 
 from model import ModelArgs, Transformer
 from sparse import SparseLinear, pack, sparse_matmul, swap_linears_for_state_dict, swap_to_sparse, unpack
+from sparse import linear
 from sparse.format import keep_largest, packed_shapes
-from tests.sparse_kernel_testing import relative_error
+from sparse.kernels import common, mma_sp, spmm, spmv
+from tests.sparse_kernel_testing import interpreted, relative_error, rerun_under_interpreter
 
+# The pure-PyTorch path and the stand-in races run in the parent process; the subprocess under
+# TRITON_INTERPRET=1 runs the `interpreted` tests only.
+parent_process_only = pytest.mark.skipif(common.INTERPRETING, reason="runs in the parent process")
 TINY = ModelArgs(n_layer=2, n_head=4, n_local_heads=2, dim=64, intermediate_size=96, vocab_size=128, block_size=64)
 
 
+@parent_process_only
 @pytest.mark.parametrize("pattern", ["2:4", "16:32"])
 def test_sparse_linear_matches_pruned_dense(pattern):
     linear = nn.Linear(96, 40, bias=False, dtype=torch.float64)
@@ -24,11 +34,16 @@ def test_sparse_linear_matches_pruned_dense(pattern):
     assert torch.allclose(sparse_matmul(x, layer.values, layer.mask), x @ pruned.T)
 
 
+@pytest.mark.skipif(common.INTERPRETING, reason="this is the subprocess")
+def test_linear_under_the_interpreter():
+    rerun_under_interpreter(__file__)
+
+
+@parent_process_only
 def test_decode_route_is_measured_once_per_shape_and_row_count(monkeypatch):
-    # From MEASURED_ROUTE_MIN_ROWS rows the SpMV and the SpMM race (each tuned first), once per
-    # shape and row count; fewer rows follow the threshold. The kernels and the race are stand-ins
-    # here (the race needs CUDA graphs); GPU tests run the real ones.
-    from sparse import kernels, linear, spmm
+    # From ROUTES.race_from_rows rows the SpMV and the SpMM race (each tuned first), once per shape
+    # and row count; fewer rows, or where nothing can be timed, follow the threshold. The kernels
+    # and the race are stand-ins here (the race needs CUDA graphs); GPU tests run the real ones.
     calls, races = [], []
 
     def stand_in(name):
@@ -40,11 +55,11 @@ def test_decode_route_is_measured_once_per_shape_and_row_count(monkeypatch):
             run(candidate, values, mask)
         return "spmv"
 
-    monkeypatch.setattr(kernels, "spmv", stand_in("spmv"))
+    monkeypatch.setattr(spmv, "spmv", stand_in("spmv"))
     monkeypatch.setattr(spmm, "spmm", stand_in("spmm"))
-    monkeypatch.setattr(kernels, "fastest_in_cuda_graph", race)
+    monkeypatch.setattr(linear, "fastest_in_cuda_graph", race)
     monkeypatch.setattr(linear, "can_time_in_cuda_graph", lambda x: True)
-    monkeypatch.setattr(linear, "_routes", {})
+    monkeypatch.setattr(linear, "measured_routes", {})
     layer = SparseLinear.from_dense(torch.randn(64, 96, dtype=torch.float64), "2:4")
     dense = unpack(layer.values, layer.mask)
     for _ in range(2):
@@ -54,16 +69,16 @@ def test_decode_route_is_measured_once_per_shape_and_row_count(monkeypatch):
     assert calls == ["spmv", "spmm", "spmv", "spmm", "spmv", "spmv"]  # tuned, raced, then the winner twice
     calls.clear()
     linear._bitmask_matmul(torch.randn(4, 96, dtype=torch.float64), layer.values, layer.mask, two_of_four=True)
-    monkeypatch.setattr(linear, "MEASURED_ROUTE", False)
+    monkeypatch.setattr(linear, "can_time_in_cuda_graph", lambda x: False)
     linear._bitmask_matmul(torch.randn(16, 96, dtype=torch.float64), layer.values, layer.mask, two_of_four=True)
-    assert calls == ["spmv", "spmm"] and len(races) == 1  # 4 rows and the switch off: by the threshold
+    assert calls == ["spmv", "spmm"] and len(races) == 1  # 4 rows, and nothing timed: by the threshold
 
 
-def test_tensor_core_2of4_joins_the_race_for_bf16_x_when_switched_on(monkeypatch):
-    # TENSOR_CORE_2OF4: a 2:4 weight's matmul of bf16 x, plain or with a residual and/or a prologue
-    # (the RMSNorm, silu(gate) * up) fused, races the sparse tensor cores too, at any row count (the
-    # SpMM only from MEASURED_ROUTE_MIN_ROWS, plain); other dtypes and patterns do not.
-    from sparse import kernels, linear, mma_sp, spmm
+@parent_process_only
+def test_tensor_cores_join_the_race_for_bf16_2of4(monkeypatch):
+    # A 2:4 weight's matmul of bf16 x, plain or with a residual and/or a prologue (the RMSNorm,
+    # silu(gate) * up) fused, races the sparse tensor cores too, at any row count (the SpMM only from
+    # ROUTES.race_from_rows, plain); other dtypes and patterns do not.
     calls, races = [], []
 
     def stand_in(name):
@@ -73,13 +88,12 @@ def test_tensor_core_2of4_joins_the_race_for_bf16_x_when_switched_on(monkeypatch
         races.append(list(candidates))
         return candidates[-1]
 
-    monkeypatch.setattr(kernels, "spmv", stand_in("spmv"))
+    monkeypatch.setattr(spmv, "spmv", stand_in("spmv"))
     monkeypatch.setattr(spmm, "spmm", stand_in("spmm"))
     monkeypatch.setattr(mma_sp, "spmv_2of4", stand_in("mma_sp"))
-    monkeypatch.setattr(kernels, "fastest_in_cuda_graph", race)
+    monkeypatch.setattr(linear, "fastest_in_cuda_graph", race)
     monkeypatch.setattr(linear, "can_time_in_cuda_graph", lambda x: True)
-    monkeypatch.setattr(linear, "_routes", {})
-    monkeypatch.setattr(linear, "TENSOR_CORE_2OF4", True)
+    monkeypatch.setattr(linear, "measured_routes", {})
     layer = SparseLinear.from_dense(torch.randn(64, 96, dtype=torch.bfloat16), "2:4")
     for rows in (4, 8):
         linear._bitmask_matmul(torch.randn(rows, 96, dtype=torch.bfloat16), layer.values, layer.mask,
@@ -98,7 +112,7 @@ def test_tensor_core_2of4_joins_the_race_for_bf16_x_when_switched_on(monkeypatch
     calls.clear()  # the RMSNorm fused (qkv and w13 at 1-3 rows): the SpMV or the tensor cores, both given the norm
     norm_weight = torch.randn(96, dtype=torch.bfloat16)
     options = []
-    monkeypatch.setattr(kernels, "spmv", lambda x, values, mask, **kw: options.append(("spmv", kw)) or x[:, :64].clone())
+    monkeypatch.setattr(spmv, "spmv", lambda x, values, mask, **kw: options.append(("spmv", kw)) or x[:, :64].clone())
     monkeypatch.setattr(mma_sp, "spmv_2of4", lambda x, values, mask, **kw: options.append(("mma_sp", kw)) or x[:, :64].clone())
     x2 = torch.randn(2, 96, dtype=torch.bfloat16)
     linear._bitmask_matmul(x2, layer.values, layer.mask, norm_weight=norm_weight, norm_eps=1e-5, two_of_four=True)
@@ -110,12 +124,17 @@ def test_tensor_core_2of4_joins_the_race_for_bf16_x_when_switched_on(monkeypatch
                            gated=True, two_of_four=True)
     assert races[-1] == ["spmv", "mma_sp"] and [name for name, _ in options] == ["spmv", "mma_sp", "mma_sp"]
     assert all(kw["gated"] is True and kw["residual"] is residual2 for _, kw in options)
-    monkeypatch.setattr(linear, "TENSOR_CORE_2OF4", False)
-    options.clear()
-    linear._bitmask_matmul(x, layer.values, layer.mask, residual=residual, two_of_four=True)
-    assert [name for name, _ in options] == ["spmv"] and len(races) == 5  # switched off: the SpMV, as before
 
 
+@parent_process_only
+def test_spmv_packs_bf16_x_from_the_route_tables_rows(monkeypatch):
+    x = torch.randn(8, 64).bfloat16()
+    assert linear.packs_x(x) and linear.packs_x(x[:4]) and not linear.packs_x(x[:3]) and not linear.packs_x(x.float())
+    monkeypatch.setattr(linear, "ROUTES", dataclasses.replace(linear.ROUTES, pack_x_from_rows=8))
+    assert not linear.packs_x(x[:4]) and linear.packs_x(x)
+
+
+@parent_process_only
 def test_cpu_path_follows_buffers_changed_in_place():
     # The CPU path keeps an unpacked copy; it must not serve stale weights.
     layer = SparseLinear.from_dense(torch.randn(40, 64, dtype=torch.float64), "2:4")
@@ -128,11 +147,13 @@ def test_cpu_path_follows_buffers_changed_in_place():
     assert not torch.allclose(layer(x), before)
 
 
+@parent_process_only
 def test_from_dense_refuses_bias():
     with pytest.raises(ValueError, match="bias"):
         SparseLinear.from_dense(nn.Linear(64, 8), "2:4")
 
 
+@parent_process_only
 def test_swap_to_sparse_keeps_the_model_function():
     torch.manual_seed(0)
     model = Transformer(TINY)
@@ -152,6 +173,7 @@ def test_swap_to_sparse_keeps_the_model_function():
     assert torch.allclose(model(idx, pos), reference(idx, pos), atol=1e-5)
 
 
+@parent_process_only
 def test_swap_linears_for_state_dict_loads_on_meta():
     torch.manual_seed(1)
     source = swap_to_sparse(Transformer(TINY), "4:8")
@@ -166,6 +188,82 @@ def test_swap_linears_for_state_dict_loads_on_meta():
     assert torch.equal(layer.mask, source.layers[0].feed_forward.w13.mask)
 
 
+def sparse_model_and_float64_reference(rows, device="cpu", dtype=torch.float32):
+    """A two-layer 2:4 model after a 5-token prefill of `rows` prompts, the same model with the
+    unpacked weights in float64 on the CPU, and the token of the decode step to feed both."""
+    torch.manual_seed(0)
+    config = ModelArgs(dim=64, n_layer=2, n_head=4, n_local_heads=2, intermediate_size=96, vocab_size=50,
+                       block_size=32)
+    model = Transformer(config).eval()
+    for norm in [m for m in model.modules() if type(m).__name__ == "RMSNorm"]:
+        norm.weight.data = 1 + 0.3 * torch.randn_like(norm.weight)  # not all ones: the fused scale counts
+    swap_to_sparse(model, "2:4")
+    model = model.to(device=device, dtype=dtype)
+    reference = Transformer(config).double().eval()
+    reference.load_state_dict({name: tensor.double().cpu() for name, tensor in model.state_dict().items()
+                               if not name.endswith((".values", ".mask"))}, strict=False)
+    for name, module in model.named_modules():
+        if isinstance(module, SparseLinear):
+            reference.get_submodule(name).weight.data = unpack(module.values, module.mask).double().cpu()
+    tokens = torch.randint(0, 50, (rows, 6))
+    model.setup_caches(rows, 16)
+    reference.setup_caches(rows, 16)
+    model(tokens[:, :5].to(device), torch.arange(5, device=device))
+    reference(tokens[:, :5], torch.arange(5))
+    return model, reference, tokens[:, 5:]
+
+
+@interpreted
+@torch.no_grad()
+@pytest.mark.parametrize("prologue_apart_from,residual_apart_from", [(9, 9), (2, 9), (2, 2)])
+def test_sparse_decode_step_through_the_fused_kernels_matches_float64(prologue_apart_from, residual_apart_from,
+                                                                      monkeypatch):
+    """A whole model: the decode step's linears take norm, residual and silu * up into the SpMV
+    (SparseLinear.fuses under the interpreter), or at its 2 rows only the residual with the
+    prologue run apart, or neither, against the unpacked weights in float64 math."""
+    monkeypatch.setattr(linear, "ROUTES", dataclasses.replace(linear.ROUTES, prologue_apart_from_rows=prologue_apart_from,
+                                                              residual_apart_from_rows=residual_apart_from))
+    model, reference, token = sparse_model_and_float64_reference(2)
+    probe = model.layers[0].feed_forward.w2
+    assert probe.fuses(torch.zeros(2, 1, 96)) == (residual_apart_from > 2) and not probe.fuses(torch.zeros(2, 5, 96))
+    assert probe.fuses(torch.zeros(2, 1, 96), prologue=True) == (prologue_apart_from > 2 and residual_apart_from > 2)
+    logits = model(token, torch.tensor([5]))
+    assert relative_error(logits, reference(token, torch.tensor([5]))) < 1e-5
+
+
+@interpreted
+def test_prefill_matmul_matches_float64():
+    # The prefill: the weight expanded to dense by the Triton kernel, then F.linear.
+    values, mask = pack(torch.randn(200, 96), "4:8")
+    x = torch.randn(40, 96, generator=torch.Generator().manual_seed(1))
+    y = linear.prefill_matmul(x, values, mask)
+    assert y.shape == (40, 200) and relative_error(y, x.double() @ unpack(values, mask).double().T) < 1e-6
+
+
+@interpreted
+def test_sparse_linear_dispatch_under_interpreter():
+    layer = SparseLinear.from_dense(torch.randn(24, 64), "4:8")
+    dense = unpack(layer.values, layer.mask).double()
+    for rows in [1, 5, 9, 17]:  # the SpMV, the SpMV (4:8 below 9 rows), the SpMM, the prefill
+        x = torch.randn(1, rows, 64)
+        assert relative_error(layer(x), x.double() @ dense.T) < 1e-6
+
+
+@interpreted
+def test_sparse_linear_dispatch_to_spmm(monkeypatch):
+    calls = []  # whether each SpMM call was told that W is 2:4
+    monkeypatch.setattr(spmm, "spmm", lambda *args, _spmm=spmm.spmm, **kwargs:
+                        calls.append(kwargs["two_of_four"]) or _spmm(*args, **kwargs))
+    for pattern in ("8:16", "2:4"):
+        calls.clear()
+        layer = SparseLinear.from_dense(torch.randn(24, 64), pattern)
+        dense = unpack(layer.values, layer.mask).double()
+        for rows in [1, 8, 16, 40]:  # the SpMV; 8 rows: the SpMM for 2:4 only; a full MMA tile; the prefill
+            x = torch.randn(rows, 64)
+            assert relative_error(layer(x), x.double() @ dense.T) < 1e-6
+        assert calls == {"8:16": [False], "2:4": [True] * 2}[pattern]
+
+
 # ---------------------------------------------------------------- GPU
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -176,7 +274,7 @@ GPU_CASES = [(6144, 4096, "2:4"), (4096, 14336, "16:32"), (7168, 5120, "4:8"), (
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("out_features,in_features,pattern", GPU_CASES)
-@pytest.mark.parametrize("rows", [1, 3, 4, 8, 16, 300])  # 8 and 16: the measured route (MEASURED_ROUTE)
+@pytest.mark.parametrize("rows", [1, 3, 4, 8, 16, 300])  # 8 and 16: the measured route
 def test_gpu_bf16_against_float64(out_features, in_features, pattern, rows):
     weight = torch.randn(out_features, in_features, device="cuda", dtype=torch.bfloat16)
     layer = SparseLinear.from_dense(weight, pattern)
@@ -189,19 +287,14 @@ def test_gpu_bf16_against_float64(out_features, in_features, pattern, rows):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("rows", [1, 3, 4, 8, 16])
-@pytest.mark.parametrize("fuses_below", [0, 9])  # TENSOR_CORE_FUSES_BELOW_ROWS: 9 fuses the prologues at 4-8 rows too
-def test_gpu_tensor_core_route_against_float64(monkeypatch, rows, fuses_below):
-    # TENSOR_CORE_2OF4 on: whichever kernel wins the race (the sparse tensor cores among them), the
-    # layer's output matches float64, plain, with a residual to add, and (where it fuses them) with
-    # a prologue.
-    from sparse import linear
-    monkeypatch.setattr(linear, "TENSOR_CORE_2OF4", True)
-    monkeypatch.setattr(linear, "TENSOR_CORE_FUSES_BELOW_ROWS", fuses_below)
+def test_gpu_tensor_core_route_against_float64(rows):
+    # Whichever kernel wins the race (the sparse tensor cores among them), the layer's output
+    # matches float64, plain, with a residual to add, and (where it fuses them) with a prologue.
     layer = SparseLinear.from_dense(torch.randn(6144, 4096, device="cuda", dtype=torch.bfloat16), "2:4")
     dense = unpack(layer.values, layer.mask).double()
     x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
     assert relative_error(layer(x), x.double() @ dense.T) < 1e-2
-    raced = ["spmv", "mma_sp"] + ["spmm"] * (rows >= linear.MEASURED_ROUTE_MIN_ROWS)
+    raced = ["spmv", "mma_sp"] + ["spmm"] * (rows >= linear.ROUTES.race_from_rows)
     assert linear.decode_route(x, layer.values, layer.mask, True) in raced
     for name in raced:  # each kernel the race may pick, not only this process's winner
         y = linear.DECODE_KERNELS[name](x, layer.values, layer.mask, True, None, {})
@@ -242,24 +335,41 @@ def test_gpu_torch_compile_cuda_graphs():
         assert relative_error(compiled(x).clone(), reference) < 1e-2
 
 
-def test_tensor_core_layers_keep_their_fusions_below_their_own_threshold(monkeypatch):
-    # TENSOR_CORE_FUSES_BELOW_ROWS: a layer the sparse tensor cores may take (2:4, bf16) keeps the
-    # residual and the prologue fused below it; other layers keep the SpMV's thresholds (residual
-    # below RESIDUAL_APART_MIN_ROWS = 8, prologue below PROLOGUE_APART_MIN_ROWS = 4).
-    from sparse import linear
+@parent_process_only
+def test_layers_fuse_their_residual_and_prologue_below_the_route_tables_rows(monkeypatch):
+    # The residual below ROUTES.residual_apart_from_rows (and the SpMM's rows), the prologue also
+    # below ROUTES.prologue_apart_from_rows; a prefill-sized x never.
     monkeypatch.setattr(linear, "_without_kernels", lambda x: False)  # as on a GPU: fuses() only decides
-    monkeypatch.setattr(linear, "TENSOR_CORE_2OF4", True)
-    two_of_four = SparseLinear.from_dense(torch.randn(64, 96, dtype=torch.bfloat16), "2:4")
-    four_of_eight = SparseLinear.from_dense(torch.randn(64, 96, dtype=torch.bfloat16), "4:8")
+    layer = SparseLinear.from_dense(torch.randn(64, 96, dtype=torch.bfloat16), "4:8")
 
-    def fusions(layer, rows, dtype=torch.bfloat16):
-        x = torch.zeros(rows, 1, 96, dtype=dtype)
+    def fusions(rows):
+        x = torch.zeros(rows, 1, 96, dtype=torch.bfloat16)
         return layer.fuses(x), layer.fuses(x, prologue=True)
 
-    for below in (0, 9):
-        monkeypatch.setattr(linear, "TENSOR_CORE_FUSES_BELOW_ROWS", below)
-        assert fusions(four_of_eight, 4) == (True, False) and fusions(four_of_eight, 8) == (False, False)
-        assert fusions(two_of_four, 3) == (True, True)
-        assert fusions(two_of_four, 4) == (True, below > 4) and fusions(two_of_four, 8) == (below > 8, below > 8)
-        assert fusions(two_of_four, 9) == (False, False)
-    assert fusions(two_of_four, 4, torch.float32) == (True, False)  # fp32 x: no tensor cores, the SpMV's thresholds
+    assert fusions(3) == (True, True) and fusions(4) == (True, False) and fusions(8) == (False, False)
+    monkeypatch.setattr(linear, "ROUTES", dataclasses.replace(linear.ROUTES, prologue_apart_from_rows=9,
+                                                              residual_apart_from_rows=9))
+    assert fusions(8) == (True, True) and fusions(9) == (False, False) and fusions(64) == (False, False)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@torch.no_grad()
+@pytest.mark.parametrize("rows", [1, 4, 8])
+def test_gpu_sparse_decode_step_with_the_default_fusions_matches_float64(rows):
+    """A whole bf16 model's decode step on the GPU with the shipped row thresholds: at 1 row the
+    SpMVs take norm, silu * up and residual; at 4 the prologues run apart; at 8 the residuals too.
+    Eagerly, then compiled into CUDA graphs as generate.py runs it (its warm-up, recording and
+    replays): the kernels' programmatic dependent launches (on Hopper) captured with their edges."""
+    model, reference, token = sparse_model_and_float64_reference(rows, "cuda", torch.bfloat16)
+    probe, x = model.layers[0].feed_forward.w2, torch.zeros(rows, 1, 96, device="cuda", dtype=torch.bfloat16)
+    assert probe.fuses(x) == (rows < linear.ROUTES.residual_apart_from_rows)
+    assert probe.fuses(x, prologue=True) == (rows < min(linear.ROUTES.prologue_apart_from_rows,
+                                                        linear.ROUTES.residual_apart_from_rows))
+    expected = reference(token, torch.tensor([5]))
+    logits = model(token.cuda(), torch.tensor([5], device="cuda"))
+    assert relative_error(logits.cpu(), expected) < 3e-2
+    compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+    for call in range(4):  # the same step again: it writes the same cache slot with the same values
+        logits = compiled(token.cuda(), torch.tensor([5], device="cuda"))
+        assert relative_error(logits.cpu(), expected) < 3e-2, call

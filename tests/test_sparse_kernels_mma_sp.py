@@ -1,17 +1,18 @@
-"""sparse/mma_sp.py: the 2:4 product on the sparse tensor cores. On CPU the real kernel runs under
-TRITON_INTERPRET=1 with mma.sp emulated from the fragment layout, against float64; its metadata
-from the bitmask against the PTX ISA's encoding; on the GPU (marked) the hardware instruction on
-real shapes. Its machine code: tests/test_kernel_sass.py."""
+"""sparse/kernels/mma_sp.py: the 2:4 product on the sparse tensor cores. On CPU the real kernel runs
+under TRITON_INTERPRET=1 with mma.sp emulated from the fragment layout, against float64; its metadata
+from the bitmask against the PTX ISA's encoding; its sm_90a machine code (compiled on the CPU); on the
+GPU (marked) the hardware instruction on real shapes."""
 import pytest
 import torch
 
-from sparse import kernels, mma_sp
 from sparse.format import pack, unpack
+from sparse.kernels import common, mma_sp
+from tests import sass
 from tests.sparse_kernel_testing import (case_seed, compiled_first, interpreted, random_packed, relative_error,
                                         rerun_under_interpreter)
 
 
-@pytest.mark.skipif(kernels.INTERPRETING, reason="this is the subprocess")
+@pytest.mark.skipif(common.INTERPRETING, reason="this is the subprocess")
 def test_mma_sp_under_the_interpreter():
     rerun_under_interpreter(__file__)
 
@@ -36,7 +37,7 @@ def test_metadata_of_every_2of4_word_shape():
     @triton.jit
     def metadata_kernel(words_ptr, out_ptr):
         offsets = tl.arange(0, 64)
-        tl.store(out_ptr + offsets, mma_sp._metadata_of(tl.load(words_ptr + offsets)))
+        tl.store(out_ptr + offsets, mma_sp.metadata_of(tl.load(words_ptr + offsets)))
 
     nibbles = [0b0011, 0b0101, 0b0110, 0b1001, 0b1010, 0b1100]
     words = [sum(nibbles[(i + g) % 6] << 4 * g for g in range(8)) for i in range(6)]
@@ -160,7 +161,7 @@ def test_product_on_the_tensor_cores_matches_float64(out_features, in_features, 
     reference = unpack(values, mask).double()
     x = torch.randn(batch, in_features, device="cuda").to(torch.bfloat16)
     expected = x.double() @ reference.T
-    for config in compiled_first(mma_sp._mma_sp_kernel, mma_sp.candidate_configs(in_features // 32),
+    for config in compiled_first(mma_sp.mma_sp_kernel, mma_sp.candidate_configs(in_features // 32),
                                  lambda c: mma_sp.spmv_2of4(x, values, mask, config=c, compile_only=True)):
         out = torch.full((batch, out_features), float("nan"), device="cuda", dtype=torch.bfloat16)
         y = mma_sp.spmv_2of4(x, values, mask, config=config, out=out)
@@ -178,8 +179,62 @@ def test_product_with_a_prologue_on_the_tensor_cores_matches_float64(prologue, o
     seed = case_seed(prologue, out_features, batch)
     values, mask = random_packed(out_features, in_features, "2:4", seed, device="cuda", dtype=torch.bfloat16)
     x, options, expected = prologue_case(prologue, batch, values, mask, seed, device="cuda")
-    for config in compiled_first(mma_sp._mma_sp_kernel, mma_sp.candidate_configs(in_features // 32),
+    for config in compiled_first(mma_sp.mma_sp_kernel, mma_sp.candidate_configs(in_features // 32),
                                  lambda c: mma_sp.spmv_2of4(x, values, mask, config=c, compile_only=True, **options)):
         out = torch.full((batch, out_features), float("nan"), device="cuda", dtype=torch.bfloat16)
         y = mma_sp.spmv_2of4(x, values, mask, config=config, out=out, **options)
         assert relative_error(y, expected) < 1e-2, config
+
+
+# ---------------------------------------------------------------- machine code (sm_90a, compiled on the CPU)
+
+machine_code = pytest.mark.skipif(common.INTERPRETING, reason="compiles for sm_90a; not the interpreter's kernels")
+
+
+@machine_code
+def test_sparse_tensor_core_product_machine_code():
+    # One HMMA.SP (m16n8k32, bf16) a word and 8 rows of x, 8 loads a word up to 8 rows (the two
+    # rows' 8-byte values, their mask words, x's four bf16 pairs), 12 at 16 (x twice), and with the
+    # word loop unrolled 4 times few instructions per kept weight at any batch up to 8, no spills.
+    for batch, per_kept_weight, loads in ((1, 7.0, 8), (8, 7.0, 8), (16, 8.5, 12)):
+        report = sass.mma_sp_kernel(batch, slices=4, unroll=4)
+        assert report["spill_bytes"] == 0, batch
+        assert report["sass"].count("HMMA.SP.16832.F32.BF16") >= report["words_in_loop"], batch
+        assert report["loads_per_word"] == loads, batch
+        assert report["per_kept_weight"] < per_kept_weight, (batch, report["per_kept_weight"])
+    # Two 16-row tiles a warp: twice the weight bytes in flight, x's four loads shared, no spills.
+    report = sass.mma_sp_kernel(8, slices=4, unroll=4, tiles=2)
+    assert report["spill_bytes"] == 0 and report["loads_per_word"] == 12 and report["per_kept_weight"] < 7.0
+
+
+@machine_code
+def test_sparse_tensor_core_product_sums_its_warps_slices_in_one_pass_a_tile_and_block():
+    # The warps' slices of K are summed through shared memory once per 16-row tile and 8-row block
+    # of x (its four accumulators in one reduction: two barriers), not once per accumulator.
+    for batch, tiles, most in ((1, 1, 2), (8, 2, 2 * 2 + 1), (16, 2, 4 * 2 + 3)):
+        report = sass.mma_sp_kernel(batch, slices=4, unroll=4, tiles=tiles, ahead=4)
+        assert report["barriers"] <= most, (batch, tiles, report["barriers"])
+
+
+@machine_code
+def test_sparse_tensor_core_product_keeps_its_words_ahead_in_flight():
+    # ptxas reorders the ring of prefetched words (mma_sp.PREFETCH_UNROLL): one word ahead, some
+    # weight loads are read in the word they were issued for (0 words later), so a warp waits on
+    # the memory every word; four ahead unrolled four times, every weight load is first read four
+    # words later (3.5 at 16 rows: x's second block), with no spills, with a prologue fused too.
+    for batch, tiles, prologue in ((1, 1, ""), (8, 1, ""), (8, 2, ""), (16, 1, ""), (1, 1, "norm"), (1, 1, "gated")):
+        report = sass.mma_sp_kernel(batch, slices=4, unroll=4, tiles=tiles, ahead=4, norm=prologue == "norm",
+                                    gated=prologue == "gated")
+        assert report["spill_bytes"] == 0, (batch, tiles)
+        assert report["words_to_first_use"][0] >= 3.5, (batch, tiles, report["words_to_first_use"])
+    assert sass.mma_sp_kernel(1, slices=4, unroll=4)["words_to_first_use"][0] == 0
+
+
+@machine_code
+def test_tensor_core_product_with_pdl_reads_nothing_before_its_wait():
+    # The PDL contract (tests/sass.py: pdl_opcodes) for the tensor cores' product, whose words-ahead
+    # ring must stay as it was.
+    for batch, tiles, norm in ((1, 1, False), (1, 1, True), (8, 2, False)):
+        report = sass.mma_sp_kernel(batch, slices=4, unroll=4, tiles=tiles, ahead=4, norm=norm, pdl=True)
+        sass.pdl_opcodes(report["sass"], (batch, tiles, norm))
+        assert report["spill_bytes"] == 0 and report["words_to_first_use"][0] >= 3.5, (batch, tiles, norm)

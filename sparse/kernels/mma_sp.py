@@ -1,20 +1,18 @@
-"""2:4 product on the sparse tensor cores: y = x @ W.T for 1..16 rows of bf16 x with Hopper's
+"""2:4 product on the sparse tensor cores: y = x @ W.T for 1 to 16 rows of bf16 x with Hopper's
 (and Ampere's) warp-level `mma.sp` (m16n8k32: 16 weight rows x 32 input columns, of which the
 instruction reads only the 16 kept values a row, against 8 rows of x), issued as inline PTX from
 Triton, which has no sparse dot of its own.
 
-Why: the SpMV (sparse/kernels.py) spends ~8.6 thread instructions per kept weight at batch 1 on
-its bit scan, shuffles and FMAs, and ~3x that at 8 rows, so it runs 4-7 % over its own weight
-reads at batch 1 and falls behind cuBLAS from 8 rows (docs/KERNEL_NOTES.md, sessions 22-23). One
-`mma.sp` does 256 kept weights x 8 rows; around it a thread issues two 8-byte value loads, two
-mask words, four 4-byte loads of x (L1 hits) and ~25 integer instructions that turn the two mask
-words into the instruction's metadata: 6.1 thread instructions per kept weight at 1-8 rows in
-the sm_90a machine code (7.5 at 16: two instructions, x loaded twice; tests/test_kernel_sass.py).
-2:4 only: the tensor cores take exactly two kept values in every aligned group of four columns,
-which 4:8 and wider patterns do not promise. As the SpMV, it can take a prologue, the RMSNorm
-(x times the norm weight, rounded to bf16, before the instruction; 1/rms, from the squares of the
-x it loaded, applied to the output) or silu(gate) * up (x = [gate | up], rounded to bf16), and a
-residual after the product.
+Why: the SpMV (sparse/kernels/spmv.py) spends its instructions per kept weight on the bit scan,
+shuffles and FMAs, several times more at 8 rows than at 1. One `mma.sp` does 256 kept weights x 8
+rows; around it a thread issues two 8-byte value loads, two mask words, four 4-byte loads of x (L1
+hits) and a few integer instructions that turn the two mask words into the instruction's metadata,
+so its instructions per kept weight stay low and nearly flat up to 8 rows (docs/KERNELS.md). 2:4
+only: the tensor cores take exactly two kept values in every aligned group of four columns, which
+4:8 and wider patterns do not promise. As the SpMV, it can take a prologue, the RMSNorm (x times the
+norm weight, rounded to bf16, before the instruction; 1/rms, from the squares of the x it loaded,
+applied to the output) or silu(gate) * up (x = [gate | up], rounded to bf16), and a residual after
+the product.
 
 The instruction's fragments (PTX ISA, "Matrix Fragments for sparse mma.m16n8k32 with .f16 and
 .bf16 types"), for thread (g, t) = (lane // 4, lane % 4) of a warp:
@@ -41,14 +39,16 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from .kernels import (INTERPRETING, _bf16_bits, _load_u32, _prefetch_l2, _replace, _silu, fastest_in_cuda_graph,
-                      l2_prefetch_words, programmatic_launch)
+from sparse.kernels.common import (INTERPRETING, MAX_DECODE_ROWS, bf16_bits, l2_prefetch_words, load_u32, prefetch_l2,
+                                   programmatic_launch, replace_item, silu)
+from sparse.kernels.tuning import tuned_config
 
-MAX_ROWS = 16  # two m16n8k32 instructions per tile and word
+MAX_ROWS = MAX_DECODE_ROWS  # two m16n8k32 instructions per tile and word
+tuned_configs = {}  # (mask shape, rows of x, prologue, device) -> config
 
 
 @triton.jit
-def _metadata_of(word):
+def metadata_of(word):
     """mma.sp's metadata for a 32-column mask word with two set bits in every aligned nibble: each
     nibble b3b2b1b0 becomes (second index << 2) | first index, computed for all eight nibbles at
     once (bitwise within nibbles, no carries across them).
@@ -69,7 +69,7 @@ def _metadata_of(word):
 @triton.jit
 def _load_x_pair(ptr, INTERPRETER_SAFE: tl.constexpr):
     """The uint32 (a bf16 pair of x) at each thread's ptr, through L1 (.ca): every warp reads x.
-    (The weights' loads stream through L2 only: kernels._load_u32.)"""
+    (The weights' loads stream through L2 only: load_u32.)"""
     if INTERPRETER_SAFE:
         pair = tl.load(ptr)
     else:
@@ -94,10 +94,10 @@ def _thread_metadata(word_low, word_high, ODD, INTERPRETER_SAFE: tl.constexpr):
     """The metadata register of a thread (selector 0): the even (ODD false) or odd groups of four
     columns of its rows g (word_low: bits 0-15) and g + 8 (word_high: bits 16-31), four nibbles
     each in group order. The two rows' chosen nibbles are interleaved into one word first, so one
-    `_metadata_of` serves both; ODD may differ per thread."""
+    `metadata_of` serves both; ODD may differ per thread."""
     shift = tl.where(ODD, 4, 0).to(tl.uint32)
     nibbles = 0x0F0F0F0F
-    both = _metadata_of(((word_low >> shift) & nibbles) | (((word_high >> shift) & nibbles) << 4))
+    both = metadata_of(((word_low >> shift) & nibbles) | (((word_high >> shift) & nibbles) << 4))
     low = both & nibbles  # row g's four nibbles, one a byte
     high = (both >> 4) & nibbles
     low = (low | (low >> 4)) & 0x00FF00FF  # two a byte, in bytes 0 and 2
@@ -208,11 +208,11 @@ def _load_word(pointers, valid, M_TILES: tl.constexpr, SOURCES: tl.constexpr, EV
     a = ()
     masks = ()
     for m in tl.static_range(M_TILES):
-        low = _load_u32(weights[4 * m], 2, INTERPRETER_SAFE)
-        high = _load_u32(weights[4 * m + 1], 2, INTERPRETER_SAFE)
+        low = load_u32(weights[4 * m], 2, INTERPRETER_SAFE)
+        high = load_u32(weights[4 * m + 1], 2, INTERPRETER_SAFE)
         a = a + (low[0], high[0], low[1], high[1])
-        masks = masks + (_load_u32(weights[4 * m + 2], 1, INTERPRETER_SAFE)[0],
-                         _load_u32(weights[4 * m + 3], 1, INTERPRETER_SAFE)[0])
+        masks = masks + (load_u32(weights[4 * m + 2], 1, INTERPRETER_SAFE)[0],
+                         load_u32(weights[4 * m + 3], 1, INTERPRETER_SAFE)[0])
     b = ()
     for source in tl.static_range(SOURCES):
         for j in tl.static_range(4):
@@ -240,7 +240,7 @@ def _advance(pointers, n_rows, M_TILES: tl.constexpr, SOURCES: tl.constexpr):
 def _bf16_pair(low, high, INTERPRETER_SAFE: tl.constexpr):
     """Two float32 rounded to bf16 (to nearest, ties to even) in one uint32, `low` in bits 0-15."""
     if INTERPRETER_SAFE:
-        pair = _bf16_bits(low.to(tl.uint32, bitcast=True)) | (_bf16_bits(high.to(tl.uint32, bitcast=True)) << 16)
+        pair = bf16_bits(low.to(tl.uint32, bitcast=True)) | (bf16_bits(high.to(tl.uint32, bitcast=True)) << 16)
     else:
         pair = tl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,f,f", [low, high], dtype=tl.uint32,
                                          is_pure=True, pack=1)
@@ -271,7 +271,7 @@ def _normed_x(b, squares, N_BLOCKS: tl.constexpr, INTERPRETER_SAFE: tl.constexpr
         for j in tl.static_range(4):
             pair = b[4 * block + j]
             low, high = _half(pair, False), _half(pair, True)
-            squares = _replace(squares, block, squares[block] + low * low + high * high)
+            squares = replace_item(squares, block, squares[block] + low * low + high * high)
             normed = normed + (_bf16_product(pair, b[4 * N_BLOCKS + j], INTERPRETER_SAFE), )
     return normed, squares
 
@@ -282,8 +282,8 @@ def _gated_x(b, N_BLOCKS: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
     gated = ()
     for i in tl.static_range(4 * N_BLOCKS):
         gate, up = b[i], b[4 * N_BLOCKS + i]
-        gated = gated + (_bf16_pair(_silu(_half(gate, False), INTERPRETER_SAFE) * _half(up, False),
-                                    _silu(_half(gate, True), INTERPRETER_SAFE) * _half(up, True), INTERPRETER_SAFE), )
+        gated = gated + (_bf16_pair(silu(_half(gate, False), INTERPRETER_SAFE) * _half(up, False),
+                                    silu(_half(gate, True), INTERPRETER_SAFE) * _half(up, True), INTERPRETER_SAFE), )
     return gated
 
 
@@ -331,21 +331,21 @@ def _add_fours(a0, a1, a2, a3, b0, b1, b2, b3):
 def _summed_over_slices(parts, SLICES: tl.constexpr):
     """A tile and block's four accumulators ([32 * SLICES] each, warp s holding slice s of K), each
     summed over the slices ([32] each), in one reduction of the four: summed one at a time, each
-    took a store, a load and three barriers (sm_90a SASS, session 25)."""
+    took a store, a load and three barriers."""
     return tl.reduce((tl.reshape(parts[0], (SLICES, 32)), tl.reshape(parts[1], (SLICES, 32)),
                       tl.reshape(parts[2], (SLICES, 32)), tl.reshape(parts[3], (SLICES, 32))), 0, _add_fours)
 
 
 @triton.jit
-def _mma_sp_kernel(x_ptr, values_ptr, mask_ptr, y_ptr, residual_ptr, norm_ptr, n_rows, n_words, words_per_warp,
-                   batch_rows, x_stride, norm_eps, l2_words, SLICES: tl.constexpr, M_TILES: tl.constexpr,
-                   N_BLOCKS: tl.constexpr, EVEN_K: tl.constexpr, UNROLL: tl.constexpr, PREFETCH: tl.constexpr,
-                   NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr,
-                   INTERPRETER_SAFE: tl.constexpr):
+def mma_sp_kernel(x_ptr, values_ptr, mask_ptr, y_ptr, residual_ptr, norm_ptr, n_rows, n_words, words_per_warp,
+                  batch_rows, x_stride, norm_eps, l2_words, SLICES: tl.constexpr, M_TILES: tl.constexpr,
+                  N_BLOCKS: tl.constexpr, EVEN_K: tl.constexpr, UNROLL: tl.constexpr, PREFETCH: tl.constexpr,
+                  NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr,
+                  INTERPRETER_SAFE: tl.constexpr):
     """y[:batch_rows, M_TILES 16-row tiles] of this program (+ the residual's, with RESIDUAL; of
     RMSNorm(x) * the norm weight, with NORM; of silu(gate) * up for x = [gate | up], with GATED);
     SLICES warps, warp s walking words_per_warp words from s · words_per_warp for every tile (x's
-    loads shared by the tiles), summed through shared memory. PDL: as the SpMV's (sparse/kernels.py:
+    loads shared by the tiles), summed through shared memory. PDL: as the SpMV's (sparse/kernels/spmv.py:
     a programmatic dependent launch that prefetches its warps' first l2_words words into the L2,
     then waits for the previous kernel before its first load)."""
     THREADS: tl.constexpr = 32 * SLICES
@@ -374,16 +374,16 @@ def _mma_sp_kernel(x_ptr, values_ptr, mask_ptr, y_ptr, residual_ptr, norm_ptr, n
 
     # PREFETCH words ahead: word i + PREFETCH's loads are issued before word i's instructions, so a
     # warp has PREFETCH words' loads in flight (a warp walks its words one after another; with one
-    # word ahead, a warp's time was about its words x the memory latency, session 24).
+    # word ahead, a warp's time was about its words x the memory latency).
     x_stride_u32 = x_stride // 2
     SOURCES: tl.constexpr = N_BLOCKS * (1 + GATED) + NORM
-    if PDL:  # (kernels._prefetch_words_to_l2 row by row instead: 105 -> 123 registers, some loads read 1 word on)
+    if PDL:  # from the weight pointers of each word (the SpMV's row-by-row prefetch cost registers here)
         for i in range(0, l2_words):
             weights, _ = _word_pointers(values_u32, mask_u32, x_u32, norm_u32, tl.minimum(k_first + i, n_words - 1),
                                         rows, t, x_rows, n_rows, n_words, x_stride_u32, M_TILES, N_BLOCKS, NORM,
                                         GATED)
             for j in tl.static_range(4 * M_TILES):
-                _prefetch_l2(weights[j])
+                prefetch_l2(weights[j])
         gdc_wait()  # the previous kernel has finished and its writes are visible
         gdc_launch_dependents()  # the next PDL launch may start its prefetch while this grid runs
     pointers = _word_pointers(values_u32, mask_u32, x_u32, norm_u32,
@@ -435,14 +435,11 @@ def _mma_sp_kernel(x_ptr, values_ptr, mask_ptr, y_ptr, residual_ptr, norm_ptr, n
                 tl.store(y_ptr + x_row * n_rows + row, part.to(y_ptr.dtype.element_ty), mask=ok)
 
 
-# (words ahead, unroll) pairs tuned. Unrolled 2 or 4 times (sm_90a SASS, one word ahead: 57.5 and
-# 49 instructions a word at 4 slices, the rotation of the prefetched registers gone; 68 without).
-# Words ahead: ptxas reorders the ring's loads and register moves, so what it keeps in flight is
-# not what the source asks for: with one word ahead, some weight loads are first read in the same
-# word (0 words later, scripts/kernel_sass.py's `words_to_first_use`), and a warp then waits on
-# the memory once a word; 4 ahead unrolled 4 times and 2 ahead unrolled twice (one tile) keep every
-# weight load 4 or 2 words from its first read, at 105-251 or 70-94 registers. (2 ahead unrolled 4
-# times keeps some at 0 words with more registers than one ahead: not a candidate.)
+# (words ahead, unroll) pairs tuned. Unrolling removes the rotation of the prefetched registers.
+# ptxas reorders the ring of prefetched words, so what it keeps in flight is not what the source
+# asks for: one word ahead, some weight loads are first read in the word they were issued for and
+# a warp waits on memory once a word; 4 ahead unrolled 4 times and 2 ahead unrolled twice keep
+# every weight load 4 or 2 words from its first read (tests/test_sparse_kernels_mma_sp.py checks it).
 PREFETCH_UNROLL = ((1, 2), (1, 4), (2, 2), (4, 4))
 
 
@@ -503,15 +500,12 @@ def _launch(x, values, mask, y, config, residual=None, norm_weight=None, norm_ep
     pdl = programmatic_launch(x.device)
     # a word of every warp: 16 rows a tile, each 16 kept bf16 values and a mask word
     l2_words = l2_prefetch_words(programs * slices * tiles * 16 * 36, words_per_warp) if pdl else 0
-    _mma_sp_kernel.run(  # kernel[grid](...), or only its compile (Triton's warmup)
+    mma_sp_kernel.run(  # kernel[grid](...), or only its compile (Triton's warmup)
         x, values, mask, y, y if residual is None else residual, x if norm_weight is None else norm_weight, n_rows,
         n_words, words_per_warp, batch, x_width, norm_eps, l2_words, SLICES=slices, M_TILES=tiles,
         N_BLOCKS=triton.cdiv(batch, 8), EVEN_K=n_words == slices * words_per_warp, UNROLL=unroll, PREFETCH=ahead,
         NORM=norm_weight is not None, GATED=gated, RESIDUAL=residual is not None, PDL=pdl,
         INTERPRETER_SAFE=INTERPRETING, num_warps=slices, launch_pdl=pdl, grid=(programs, ), warmup=compile_only)
-
-
-_tuned = {}  # (mask shape, rows of x, prologue, device) -> config
 
 
 def _key(x, mask, prologue=""):
@@ -521,23 +515,16 @@ def _key(x, mask, prologue=""):
 def spmv_2of4_config(x: torch.Tensor, mask: torch.Tensor, prologue: str = ""):
     """The config spmv_2of4 tuned for this shape and batch, with no prologue, "norm" or "gated"
     (None before its first call)."""
-    return _tuned.get(_key(x, mask, prologue))
+    return tuned_configs.get(_key(x, mask, prologue))
 
 
 def spmv_2of4_tuned(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, norm_weight: torch.Tensor = None,
                     norm_eps: float = 0.0, gated: bool = False):
     """The fastest of `candidate_configs` for this shape and batch (and its prologue, if any), timed
-    once as the SpMV's tuner times (kernels.fastest_in_cuda_graph: in a CUDA graph, the weight's
-    copies rotated past the L2); on CPU the first."""
-    candidates = candidate_configs(mask.shape[0])
+    once as a compiled decode step runs it (sparse/kernels/tuning.py); on CPU the first."""
     key = _key(x, mask, "norm" if norm_weight is not None else "gated" if gated else "")
-    if x.device.type != "cuda":
-        return candidates[0]
-    if key not in _tuned:
-        y = torch.empty(x.shape[0], mask.shape[1], dtype=x.dtype, device=x.device)
-        _tuned[key] = fastest_in_cuda_graph(
-            candidates, values, mask, lambda config, v, m: _launch(x, v, m, y, config, norm_weight=norm_weight,
-                                                                   norm_eps=norm_eps, gated=gated),
-            compile_only=lambda config: _launch(x, values, mask, y, config, norm_weight=norm_weight, norm_eps=norm_eps,
-                                                gated=gated, compile_only=True))
-    return _tuned[key]
+    y = torch.empty(x.shape[0], mask.shape[1], dtype=x.dtype, device=x.device)
+    options = dict(norm_weight=norm_weight, norm_eps=norm_eps, gated=gated)
+    return tuned_config(tuned_configs, key, candidate_configs(mask.shape[0]), x, values, mask,
+                        lambda config, v, m: _launch(x, v, m, y, config, **options),
+                        lambda config: _launch(x, values, mask, y, config, compile_only=True, **options))
