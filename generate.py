@@ -105,7 +105,7 @@ def install_decode_attention(model: Transformer) -> bool:
     call this after setup_caches and before capturing a CUDA graph, since counters first allocated
     inside a graph's warm-up would land in its memory pool. generate() does so on CUDA.
     """
-    import decode_attention  # the kernel (Triton): imported only where it may run
+    from sparse.kernels import decode_attention  # Triton: imported only where it may run
 
     device = model.tok_embeddings.weight.device
     runs_here = device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"

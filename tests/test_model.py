@@ -9,7 +9,7 @@ import torch
 
 from checkpoint import load_checkpoint
 from model import Transformer
-from scripts.convert_hf import convert_hf_folder
+from convert import convert_hf_folder
 from conftest import TINY_HF_CONFIGS
 
 TOLERANCE = dict(atol=1e-4, rtol=1e-5)
@@ -83,7 +83,7 @@ def test_smollm2_greedy_matches_transformers_generate(smollm2_checkpoint, smollm
 
 def test_stories260k_greedy_from_bos(stories260k_dir, tmp_path):
     from generate import generate, load_model
-    from scripts.convert_hf import convert_llama2c
+    from convert import convert_llama2c
     from tokenizer import load_tokenizer
     convert_llama2c(stories260k_dir / "stories260K.bin", tmp_path)
     model = load_model(tmp_path / "model.pth", device="cpu", dtype=torch.float32)
@@ -143,7 +143,7 @@ def write_tiny_gguf(model, path, add_more=None):
 @pytest.mark.parametrize("name", ["llama", "llama-tied"])
 def test_tiny_gguf_matches_transformers(tiny_hf_folder, tmp_path, name):
     """The GGUF path without the embedded model: names, the q/k un-permutation and tying."""
-    from scripts.convert_hf import convert_gguf
+    from convert import convert_gguf
     from tokenizer import load_tokenizer
     _, reference = tiny_hf_folder(name)
     write_tiny_gguf(reference, tmp_path / "tiny.gguf")
