@@ -46,7 +46,7 @@ kernel_b816() {
   $PYTHON scripts/bench_kernel.py --batches 8,16 --no-semi --out-md "$JOB/table.md" --out-json "$JOB/table.json"
 }
 kernel_prefill() {
-  $PYTHON scripts/bench_kernel.py --batches 2048 --out-md "$JOB/table.md" --out-json "$JOB/table.json"
+  $PYTHON scripts/bench_kernel.py --batches 2048 --no-semi --out-md "$JOB/table.md" --out-json "$JOB/table.json"
 }
 # A decode step's SpMVs back to back, with the programmatic launch prefetching 16, 4, 48 MB into the L2, then none.
 kernel_chain() {
