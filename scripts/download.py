@@ -55,7 +55,7 @@ def main(argv=None):
         sys.exit(f"error: {e}")
     print(f"downloaded {args.repo_id} to {out}")
     if args.convert:
-        from convert import main as convert
+        from scripts.convert_hf import main as convert
         convert([str(out), "--out", str(out), "--dtype", args.dtype])
 
 
