@@ -169,7 +169,8 @@ def completion_content(body: bytes) -> str:
         raise JudgeError("choices[0].message has no content")
     content = message["content"]
     if not isinstance(content, str):
-        raise JudgeError(f"choices[0].message.content is {_json_type(content)}, not a string")
+        kind = "null" if content is None else f"a JSON {_json_type(content)}"
+        raise JudgeError(f"choices[0].message.content is {kind}, not a string")
     return content
 
 
@@ -228,7 +229,7 @@ class JudgeClient:
                 if deadline.expired or isinstance(reason, TimeoutError):
                     raise timed_out from None
                 if isinstance(e, http.client.HTTPException):
-                    raise JudgeError(f"malformed HTTP response ({type(e).__name__}: {e})") from None
+                    raise JudgeError(f"malformed HTTP response ({type(e).__name__}: {_excerpt(str(e))})") from None
                 raise _Transient(f"cannot reach {self.url} ({reason})") from None
             if deadline.expired:
                 raise timed_out
@@ -275,7 +276,7 @@ def parse_score(text: str) -> int:
         raise JudgeError(f'judge answer has no "score" field: {_excerpt(text)}')
     score = answer["score"]
     if type(score) is not int:  # bool is a subclass of int, and not a score
-        raise JudgeError(f"judge score {score!r} is a JSON {_json_type(score)}, not an integer")
+        raise JudgeError(f"judge score {json.dumps(score)} is a JSON {_json_type(score)}, not an integer")
     if not 1 <= score <= 10:
         raise JudgeError(f"judge score {score} is outside 1-10")
     return score

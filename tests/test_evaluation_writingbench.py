@@ -115,7 +115,7 @@ def test_scores_every_criterion_and_averages(judge_server):
 MALFORMED = [
     pytest.param([answer(b"", 500)] * 2, r"HTTP 500 .*gave up after 2 attempt", id="http-500-retried"),
     pytest.param([answer(b"", 401)], r"^HTTP 401 Unauthorized$", id="http-401-not-retried"),
-    pytest.param([raw(b"garbage\r\n\r\n")], r"malformed HTTP response \(BadStatusLine", id="not-http"),
+    pytest.param([raw(b"garbage\r\n\r\n")], r"malformed HTTP response \(BadStatusLine: 'garbage\\r\\n'\)", id="not-http"),
     pytest.param([raw(b"")], r"malformed HTTP response \(RemoteDisconnected", id="closed-without-answer"),
     pytest.param([answer(completion("é")[:-1] + b"\xff")], r"not valid UTF-8 \(byte 0xff at offset", id="invalid-utf8"),
     pytest.param([answer(completion('{"score": 7}')[:40], length=400)], r"truncated body \(40 of 400 bytes\)",
@@ -133,11 +133,11 @@ MALFORMED = [
     pytest.param([answer(b'{"choices": [{"message": {"role": "assistant"}}]}')], r"message has no content$",
                  id="no-content"),
     pytest.param(judged(None), r"content is null, not a string", id="content-null"),
-    pytest.param(judged(7), r"content is number, not a string", id="content-int"),
-    pytest.param(judged({"score": 7}), r"content is object, not a string", id="content-object"),
+    pytest.param(judged(7), r"content is a JSON number, not a string", id="content-int"),
+    pytest.param(judged({"score": 7}), r"content is a JSON object, not a string", id="content-object"),
     pytest.param(judged("I refuse to grade this."), r"not a JSON object: 'I refuse", id="content-prose"),
     pytest.param(judged('{"rating": 7, "reason": "a 7"}'), r'no "score" field', id="no-score-field"),
-    pytest.param(judged('{"score": true}'), r"score True is a JSON boolean, not an integer", id="score-bool"),
+    pytest.param(judged('{"score": true}'), r"score true is a JSON boolean, not an integer", id="score-bool"),
     pytest.param(judged('{"score": 42}'), r"score 42 is outside 1-10", id="score-out-of-range"),
     pytest.param(judged('{"score": 3} {"score": 9}'), r"more than one JSON value", id="two-objects"),
 ]
