@@ -9,6 +9,7 @@ from typing import Callable
 
 import torch
 
+import cli_args
 from checkpoint import CheckpointError
 from model import Transformer
 
@@ -72,11 +73,12 @@ def forward_logits(model: Transformer, idx: torch.Tensor) -> torch.Tensor:
 
 
 def add_generation_args(parser: argparse.ArgumentParser, max_new_tokens: int, batch_size: int):
-    """The flags every task CLI shares: which model, how much to generate, where to write."""
+    """The flags every task CLI shares: which model, how much to generate, where to write. Budgets
+    are checked as they are parsed (cli_args), before a model is loaded."""
     parser.add_argument("--checkpoint", help="model checkpoint (dense or packed-sparse)")
-    parser.add_argument("--limit", type=int, help="first N items only")
-    parser.add_argument("--max_new_tokens", type=int, default=max_new_tokens)
-    parser.add_argument("--batch_size", type=int, default=batch_size)
+    parser.add_argument("--limit", type=cli_args.positive_int, help="first N items only")
+    parser.add_argument("--max_new_tokens", type=cli_args.positive_int, default=max_new_tokens)
+    parser.add_argument("--batch_size", type=cli_args.positive_int, default=batch_size)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", help="write detailed results as JSON")
 
