@@ -37,48 +37,25 @@ def _number(text, kind):
     return value
 
 
-def positive_int(text) -> int:
-    value = _number(text, int)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
+def _checked(kind, ok, requirement):
+    """An argparse type: text -> kind, refused with 'must be <requirement>' unless ok(value)."""
+    def parse(text):
+        value = _number(text, kind)
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {requirement}, got {text}")
+        return value
+    return parse
 
 
-def non_negative_int(text) -> int:
-    value = _number(text, int)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
-    return value
-
-
-def positive_float(text) -> float:
-    value = _number(text, float)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value:g}")
-    return value
-
-
-def temperature(text) -> float:
-    """0 is greedy; a negative temperature would sample the least likely tokens."""
-    value = _number(text, float)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0 (0 = greedy), got {value:g}")
-    return value
-
-
-def top_p(text) -> float:
-    """Nucleus mass in (0, 1]: at 0 nothing is kept."""
-    value = _number(text, float)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value:g}")
-    return value
+positive_int = _checked(int, lambda v: v >= 1, "a positive integer")
+non_negative_int = _checked(int, lambda v: v >= 0, "0 or more")
+# 0 is greedy; a negative temperature would sample the least likely tokens.
+temperature = _checked(float, lambda v: v >= 0, ">= 0 (0 = greedy)")
+# Nucleus mass: at 0 nothing would be kept.
+top_p = _checked(float, lambda v: 0 < v <= 1, "in (0, 1]")
+_top_k_count = _checked(int, lambda v: v >= 1, ">= 1 or 'off'")
 
 
 def top_k(text):
     """A positive count of tokens kept, or 'off' (None: no top-k cut)."""
-    if str(text).lower() in ("off", "none"):
-        return None
-    value = _number(text, int)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1 or 'off', got {value}")
-    return value
+    return None if str(text).lower() in ("off", "none") else _top_k_count(text)
