@@ -29,7 +29,6 @@ import hashlib
 import json
 import math
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -358,7 +357,7 @@ def main():
         prune_options(args.prune_args)  # a bad flag stops the grid before any work
         results = run_grid(args)
     except (*USER_ERRORS, CalibrationError) as e:
-        sys.exit(f"error: {e}")
+        cli_args.exit_with_error(e)
     print_summary(results)
 
 

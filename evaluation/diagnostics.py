@@ -24,7 +24,6 @@ CLI: python -m evaluation.diagnostics activation --dense D.pth --pruned P.pth --
          --text c4_sample.jsonl --tokens 8192]
 """
 import statistics
-import sys
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -263,7 +262,7 @@ def main():
                 print(f"fraction {row['fraction']:>5}: AR < C4 in {row['ar_below_c4']}/{row['modules']} modules, "
                       f"median eps_AR/eps_C4 {row['median_ratio_ar_over_c4']:.3f}")
     except USER_ERRORS as e:
-        sys.exit(f"error: {e}")
+        cli_args.exit_with_error(e)
 
 
 def hessian_study(dense, tokenizer, args) -> dict:

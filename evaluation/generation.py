@@ -4,7 +4,6 @@ prompts into greedy replies, and run a teacher-forced forward pass.
 Built on the engine's contracts: generate.load_model / generate.generate and tokenizer.py.
 """
 import argparse
-import sys
 from typing import Callable
 
 import torch
@@ -84,11 +83,11 @@ def add_generation_args(parser: argparse.ArgumentParser, max_new_tokens: int, ba
 
 
 def run_cli(evaluate_fn, summary_fn, out_path):
-    """Run an evaluation, print its one-line summary, write its JSON; bad input exits with one line."""
+    """Run an evaluation, print its one-line summary, write its JSON; bad input exits 2 with one line."""
     try:
         result = evaluate_fn()
     except USER_ERRORS as e:
-        sys.exit(f"error: {e}")
+        cli_args.exit_with_error(e)
     print(summary_fn(result))
     if out_path:
         from evaluation.data import write_json_atomic

@@ -2,6 +2,9 @@
 budget while parsing, before it loads anything: exit code 2, the flag named on stderr's last line."""
 import argparse
 import importlib
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -91,3 +94,15 @@ def test_every_cli_refuses_a_bad_budget_or_sampling_value_before_loading(module,
     assert exit_info.value.code == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert f"error: argument {flag}:" in last, last
+
+
+def test_evaluation_bad_input_found_while_running_is_one_line_and_exit_code_2(tmp_path):
+    """A bad file found after parsing (here random bytes named .pth) is still one line and exit code 2."""
+    (tmp_path / "random.pth").write_bytes(bytes(range(256)) * 64)
+    (tmp_path / "text.txt").write_text("some text to score\n")
+    done = subprocess.run([sys.executable, "-m", "evaluation.perplexity", "--checkpoint", str(tmp_path / "random.pth"),
+                           "--data", str(tmp_path / "text.txt")], capture_output=True, text=True,
+                          cwd=Path(cli_args.__file__).parent)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        f"error: not a checkpoint: {tmp_path / 'random.pth'} (not a torch zip archive)"]
