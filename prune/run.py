@@ -39,6 +39,7 @@ PrunedCheckpoint to save; main() is `python -m prune` over them.
 """
 import copy
 import fnmatch
+import os
 import resource
 import sys
 import time
@@ -329,10 +330,16 @@ class PrunedCheckpoint:
 
 def check_output_path(out, inputs):
     """Refuse an output that would destroy an input (the same file, a hard link or a symlink to one)
-    or that cannot be written as a file (an existing directory): raises ValueError before any work."""
+    or that cannot be written as a file (an existing directory, a folder that cannot be made or
+    written): raises ValueError before any work, not after an hour of pruning."""
     out = Path(out)
     if out.is_dir():
         raise ValueError(f"--out {out} is a directory; name the checkpoint file to write (e.g. {out / 'pruned.pth'})")
+    folder = next(p for p in out.absolute().parents if p.exists())  # the folder made or written in
+    if not folder.is_dir():
+        raise ValueError(f"--out {out}: {folder} is a file, not a folder")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {out}: no permission to write in {folder}")
     for path in inputs:
         if path is not None and same_file(out, path):
             raise ValueError(f"--out {out} is the input {path}; writing it would destroy the input")

@@ -306,10 +306,13 @@ def test_cli_refuses_out_that_is_the_prompt_file(tmp_path, capsys):
     assert prompts.read_text() == "hello\n"
 
 
-def test_cli_refuses_an_existing_directory_before_any_work(tiny_checkpoint, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("out, message", [(".", "is a directory"), ("a_file/pruned.pth", "a_file is a file, not a folder")])
+def test_cli_refuses_an_output_it_cannot_write_before_any_work(out, message, tiny_checkpoint, tmp_path, monkeypatch,
+                                                                capsys):
+    (tmp_path / "a_file").write_text("")
     monkeypatch.setattr(prune.run, "read_source", lambda path: pytest.fail("read the checkpoint"))
-    argv = ["--checkpoint", str(tiny_checkpoint), "--calib", "text", "--text", "t.txt", "--out", str(tmp_path)]
-    assert_exits_with_one_line(lambda: main(argv), capsys, "prune: error:", "is a directory")
+    argv = ["--checkpoint", str(tiny_checkpoint), "--calib", "text", "--text", "t.txt", "--out", str(tmp_path / out)]
+    assert_exits_with_one_line(lambda: main(argv), capsys, "prune: error:", message)
 
 
 def test_cli_random_bytes_are_not_a_checkpoint(tmp_path, capsys):
