@@ -93,7 +93,7 @@ def load_checkpoint(path, mmap: bool = True):
         obj = torch.load(path, map_location="cpu", mmap=mmap, weights_only=True)
     except (RuntimeError, pickle.UnpicklingError, zipfile.BadZipFile, EOFError, ValueError) as e:
         if not zipfile.is_zipfile(path):  # torch's error would be about mmap or a pickle opcode
-            raise CheckpointError(f"not a checkpoint: {path} (not a torch zip archive)") from None
+            raise CheckpointError(f"not a checkpoint: {path} (not a torch zip archive, or a truncated one)") from None
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"not a checkpoint: {path} is corrupt or not loadable as weights ({first})") from None
     if not isinstance(obj, dict):
