@@ -7,11 +7,15 @@ by `<name>.values` + `<name>.mask`, and `metadata["sparsity"]` says how (see spa
 A plain GPT-Fast state dict (`model.pth` with a `config.json` beside it) loads too.
 
 Files are written to a temporary name in the same folder and renamed, so an interrupted write
-never leaves a half-written checkpoint behind.
+never leaves a half-written checkpoint behind; a temp file left by a killed write is removed by the
+next write of the same file. The config travels inside the checkpoint: saving writes that one file
+and nothing beside it (a converter writes its own folder's config.json).
 """
+import glob
 import json
 import os
 import pickle
+import re
 import zipfile
 from pathlib import Path
 
@@ -34,6 +38,7 @@ def atomic_write(path, write_fn):
     rename)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temp_files(path)
     tmp = str(path.with_name(f".{path.name}.{os.getpid()}.tmp"))
     try:
         write_fn(tmp)
@@ -44,11 +49,39 @@ def atomic_write(path, write_fn):
         raise
 
 
+def remove_stale_temp_files(path: Path):
+    """Remove the temp files of `path` that atomic_write of a process no longer alive left behind
+    (SIGKILL or power loss skip its cleanup). Only names atomic_write makes are touched, and a live
+    process's temp file is left alone: it may be writing the same target right now."""
+    pattern = re.compile(rf"\.{re.escape(path.name)}\.(\d+)\.tmp")
+    for candidate in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
+        match = pattern.fullmatch(candidate.name)
+        if match and not process_alive(int(match.group(1))):
+            candidate.unlink(missing_ok=True)
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, as another user's
+        pass
+    return True
+
+
 def save_checkpoint(path, state_dict: dict, config: ModelArgs, metadata: dict | None = None):
+    """Write one self-describing file (weights, config, metadata) atomically; nothing beside it."""
     payload = {"format": FORMAT, "config": config.to_dict(), "state_dict": state_dict, "metadata": metadata or {}}
     atomic_write(path, lambda tmp: torch.save(payload, tmp))
-    config_path = Path(path).with_name("config.json")
-    atomic_write(config_path, lambda tmp: Path(tmp).write_text(json.dumps(config.to_dict(), indent=2) + "\n"))
+
+
+def same_file(a, b) -> bool:
+    """Whether paths a and b name one file on disk (the same path, a hard link or a symlink to it)."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist
+        return False
 
 
 def load_checkpoint(path, mmap: bool = True):
@@ -59,8 +92,10 @@ def load_checkpoint(path, mmap: bool = True):
     try:
         obj = torch.load(path, map_location="cpu", mmap=mmap, weights_only=True)
     except (RuntimeError, pickle.UnpicklingError, zipfile.BadZipFile, EOFError, ValueError) as e:
+        if not zipfile.is_zipfile(path):  # torch's error would be about mmap or a pickle opcode
+            raise CheckpointError(f"not a checkpoint: {path} (not a torch zip archive, or a truncated one)") from None
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"checkpoint {path} is corrupt or not a torch checkpoint ({first})") from None
+        raise CheckpointError(f"not a checkpoint: {path} is corrupt or not loadable as weights ({first})") from None
     if not isinstance(obj, dict):
         raise CheckpointError(f"checkpoint {path} holds a {type(obj).__name__}, not a state dict")
     if obj.get("format") == FORMAT:

@@ -19,7 +19,6 @@ and handed to the compiled step, so a fixed seed gives the same tokens compiled 
 `generate()` is also what prune/ calls for decoding-aware calibration: it returns each
 sequence's prompt length and generated ids, so the caller knows which positions were decode steps.
 """
-import argparse
 import contextlib
 import functools
 import inspect
@@ -37,6 +36,7 @@ import torch._inductor
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+import cli_args
 from checkpoint import CheckpointError, load_checkpoint
 from model import Attention, KVCache, Transformer
 from tokenizer import find_tokenizer, load_tokenizer
@@ -455,7 +455,9 @@ def main(argv=None):
     args = parse_args(argv)
     try:
         run(args)
-    except (CheckpointError, ValueError, OSError, RuntimeError) as e:
+    except (CheckpointError, ValueError, FileNotFoundError) as e:  # bad input: a usage error
+        cli_args.exit_with_error(e)
+    except (OSError, RuntimeError) as e:
         message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         print(f"error: {message}", file=sys.stderr)
         sys.exit(1)
@@ -464,18 +466,18 @@ def main(argv=None):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="Generate text with a dense or N:M-sparse checkpoint.")
+    p = cli_args.ArgumentParser(description="Generate text with a dense or N:M-sparse checkpoint.")
     p.add_argument("--checkpoint", "--checkpoint_path", dest="checkpoint", type=Path, required=True)
     p.add_argument("--tokenizer", type=Path, help="tokenizer file or folder (default: found beside the checkpoint)")
     p.add_argument("--prompt", default="Hello, my name is")
     p.add_argument("--prompts_file", type=Path, help="one prompt per line; generated together as one batch")
-    p.add_argument("--max_new_tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    p.add_argument("--top_k", type=int, default=200)
-    p.add_argument("--top_p", type=float, default=None)
+    p.add_argument("--max_new_tokens", type=cli_args.positive_int, default=200)
+    p.add_argument("--temperature", type=cli_args.temperature, default=0.8, help="0 = greedy")
+    p.add_argument("--top_k", type=cli_args.top_k, default=200, help="tokens kept per step, or 'off'")
+    p.add_argument("--top_p", type=cli_args.top_p, default=None)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--batch_size", type=int, default=1, help="repeat --prompt this many times")
-    p.add_argument("--num_samples", type=int, default=1)
+    p.add_argument("--batch_size", type=cli_args.positive_int, default=1, help="repeat --prompt this many times")
+    p.add_argument("--num_samples", type=cli_args.positive_int, default=1)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--interactive", action="store_true", help="multi-turn chat in the terminal")
     p.add_argument("--compile", action="store_true", help="CUDA-graph the decode step (torch.compile)")

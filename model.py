@@ -17,6 +17,7 @@ Layout choices that other modules rely on:
   q/k norms and RoPE, writes the cache and attends in one call.
 """
 import math
+import numbers
 from dataclasses import asdict, dataclass
 from typing import Optional
 
@@ -48,11 +49,15 @@ class ModelArgs:
             raise ValueError(f"unknown architecture '{self.architecture}' (expected 'llama' or 'qwen3')")
         if self.n_local_heads == -1:
             self.n_local_heads = self.n_head
+        for name in ("block_size", "vocab_size", "n_layer", "n_head", "dim", "n_local_heads"):
+            require_positive_int(name, getattr(self, name))
         if self.intermediate_size is None:  # llama2.c / Llama-2 rule: 2/3 of 4·dim, rounded up to 256
             hidden = int(2 * (4 * self.dim) / 3)
             self.intermediate_size = 256 * ((hidden + 255) // 256)
         if self.head_dim is None:
             self.head_dim = self.dim // self.n_head
+        for name in ("intermediate_size", "head_dim"):
+            require_positive_int(name, getattr(self, name))
 
     @classmethod
     def from_name(cls, name: str) -> "ModelArgs":
@@ -66,6 +71,12 @@ class ModelArgs:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def require_positive_int(name, value):
+    """A config from a file may say 0 heads or "32" layers: refuse it here, not as a crash deep in the model."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:  # numpy ints too (GGUF)
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
 _LLAMA31_ROPE = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)

@@ -2,13 +2,14 @@
 folder's name), weights from safetensors (single or sharded) or pytorch_model*.bin, read lazily
 (safetensors `safe_open`, mmap for .bin), and the tokenizer and chat-template files beside them."""
 import json
+import pickle
 import sys
 from pathlib import Path
 
 import torch
 
 from convert.writer import ConversionError, LazyTensors, write_converted
-from model import ModelArgs
+from model import ModelArgs, require_positive_int
 
 # Hugging Face class name -> our ModelArgs.architecture
 HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
@@ -26,6 +27,8 @@ def model_args_from_hf_config(hf: dict) -> ModelArgs:
     if hf.get("hidden_act", "silu") != "silu":
         raise ConversionError(f"config.json: hidden_act '{hf['hidden_act']}' is not supported (only silu)")
     n_head = hf["num_attention_heads"]
+    for key in ("num_attention_heads", "hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size"):
+        require_positive_int(key, hf[key])  # by the file's own names; a missing key is a KeyError
     return ModelArgs(
         architecture=architecture,
         block_size=hf.get("max_position_embeddings", 2048),
@@ -98,17 +101,28 @@ def lazy_tensors_from_folder(folder: Path) -> LazyTensors:
 
 def load_bin_shard(path: Path) -> dict:
     try:
-        return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    except RuntimeError:  # files from before torch 1.6 are not zip archives and cannot be memory-mapped
-        pass
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        try:
+            shard = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        except RuntimeError:  # files from before torch 1.6 are not zip archives and cannot be memory-mapped
+            shard = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        if "weights_only" in str(e):  # a pickle of Python objects, which could run code: never unpickled
+            raise ConversionError(f"cannot read {path}: it holds Python objects besides tensors, which are "
+                                  f"refused (only weights are loaded)") from None
+        raise ConversionError(f"cannot read {path}: not a PyTorch weights file ({str(e).strip().splitlines()[0]})") from None
     except Exception as e:
-        raise ConversionError(f"cannot read {path}: {str(e).strip().splitlines()[0]}") from None
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConversionError(f"cannot read {path}: {first}") from None
+    if not isinstance(shard, dict) or not all(isinstance(t, torch.Tensor) for t in shard.values()):
+        raise ConversionError(f"cannot read {path}: it holds a {type(shard).__name__}, not a dict of tensors")
+    return shard
 
 
 def read_hf_folder(folder: Path):
     """(lazy HF-named tensors, ModelArgs, {tokenizer file name: its path}) for a Hugging Face model folder."""
+    if folder.is_file():
+        raise ConversionError(f"{folder} is a file, not a model folder (config.json + weights); "
+                              f"for a GGUF or llama2.c file use --gguf or --llama2c")
     if not folder.is_dir():
         raise ConversionError(f"model folder not found: {folder}")
     config_path = folder / "config.json"
@@ -116,9 +130,15 @@ def read_hf_folder(folder: Path):
         raise ConversionError(f"no config.json in {folder}")
     try:
         hf_config = json.loads(config_path.read_text())
+        if not isinstance(hf_config, dict):
+            raise TypeError(f"it holds a JSON {type(hf_config).__name__}, not an object")
         config = model_args_from_hf_config(hf_config)
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-        raise ConversionError(f"{config_path} is not a usable model config: {type(e).__name__}: {e}") from None
+    except KeyError as e:
+        raise ConversionError(f"{config_path} is not a usable model config: it has no {e}") from None
+    except json.JSONDecodeError as e:
+        raise ConversionError(f"{config_path} is not valid JSON: {e}") from None
+    except (TypeError, ValueError) as e:
+        raise ConversionError(f"{config_path} is not a usable model config: {e}") from None
     tokenizer_files = {name: folder / name for name in TOKENIZER_FILES if (folder / name).is_file()}
     return lazy_tensors_from_folder(folder), config, tokenizer_files
 

@@ -6,6 +6,7 @@ stops the conversion with the tensor's name), and the files are written atomical
 loaded one at a time as they are needed, so converting holds about one copy of the model in the
 target dtype, not two.
 """
+import json
 import shutil
 from pathlib import Path
 from typing import Callable
@@ -98,6 +99,8 @@ def write_converted(out, tensors: LazyTensors, config: ModelArgs, tokenizer_file
         else:
             atomic_write(out / name, lambda tmp, content=content: Path(tmp).write_bytes(content))
     metadata = {"source": str(Path(source).resolve()), "source_format": source_format, "dtype": str(dtype)}
+    # config.json beside model.pth: what GPT-Fast-style tools and tokenizer.py's Llama-2 check read.
+    atomic_write(out / "config.json", lambda tmp: Path(tmp).write_text(json.dumps(config.to_dict(), indent=2) + "\n"))
     save_checkpoint(out / "model.pth", state_dict, config, metadata)
     n_params = sum(t.numel() for t in {id(t): t for t in state_dict.values()}.values())  # tied: count once
     print(f"wrote {out / 'model.pth'} ({n_params / 1e6:.1f}M parameters, {config.architecture}) "

@@ -29,13 +29,13 @@ import hashlib
 import json
 import math
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+import cli_args
 from checkpoint import atomic_write
 from evaluation.data import data_path, read_jsonl, write_json_atomic
 from evaluation.generation import USER_ERRORS
@@ -123,12 +123,12 @@ def prune_argv(args, method, pattern, calib, seed, calib_prompts: Path, out: Pat
 def prune_options(prune_args: list[str]) -> dict:
     """compare's --prune_args (flags of python -m prune) as prune_model's keywords, plus
     count_first_token; a flag that a grid cannot vary is refused."""
-    parser = argparse.ArgumentParser(prog="--prune_args", add_help=False, argument_default=argparse.SUPPRESS)
+    parser = cli_args.ArgumentParser(prog="--prune_args", add_help=False, argument_default=argparse.SUPPRESS)
     parser.add_argument("--one-shot", "--one_shot", dest="one_shot", action="store_true")
     parser.add_argument("--count_first_token", action="store_true", default=False)
     parser.add_argument("--include", nargs="+")
     parser.add_argument("--exclude", nargs="+")
-    parser.add_argument("--batch_tokens", type=int)
+    parser.add_argument("--batch_tokens", type=cli_args.positive_int)
     options, unknown = parser.parse_known_args(prune_args)
     if unknown:
         raise ValueError(f"--prune_args: cannot pass on {' '.join(unknown)} (only --one_shot, --count_first_token, "
@@ -317,34 +317,34 @@ def plot(table: dict, dense: dict, path):
 
 
 def main():
-    parser = argparse.ArgumentParser(description="Decode-aware vs C4 calibration: prune, evaluate, tabulate, plot.")
+    parser = cli_args.ArgumentParser(description="Decode-aware vs C4 calibration: prune, evaluate, tabulate, plot.")
     parser.add_argument("--checkpoint", type=Path, required=True, help="dense source checkpoint")
     parser.add_argument("--workdir", type=Path, required=True, help="pruned checkpoints and cached metrics")
     parser.add_argument("--methods", nargs="+", default=["sparsegpt", "wanda"])
     parser.add_argument("--patterns", nargs="+", default=["2:4", "8:16", "50%"])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    parser.add_argument("--tokens", type=int, default=16384, help="calibration budget, the same for both sources")
-    parser.add_argument("--calib_max_new_tokens", type=int, default=256, help="decode calibration: tokens per prompt")
-    parser.add_argument("--calib_batch_size", type=int, default=16, help="decode calibration: prompts generated at once")
-    parser.add_argument("--calib_seq_len", type=int, default=512, help="text calibration: window length")
+    parser.add_argument("--tokens", type=cli_args.positive_int, default=16384, help="calibration budget, the same for both sources")
+    parser.add_argument("--calib_max_new_tokens", type=cli_args.positive_int, default=256, help="decode calibration: tokens per prompt")
+    parser.add_argument("--calib_batch_size", type=cli_args.positive_int, default=16, help="decode calibration: prompts generated at once")
+    parser.add_argument("--calib_seq_len", type=cli_args.positive_int, default=512, help="text calibration: window length")
     parser.add_argument("--calibration_cache", type=Path,
                         help="folder of cached decode calibrations (default: --workdir); share it between workdirs")
     parser.add_argument("--prune_args", nargs=argparse.REMAINDER, default=[],
                         help="pruning flags of python -m prune: --one_shot, --count_first_token, --include, "
                              "--exclude, --batch_tokens (put last)")
-    parser.add_argument("--heldout_writing", type=int, default=20, help="LongBench-Write prompts held out (at most 20)")
-    parser.add_argument("--heldout_code", type=int, default=10, help="HumanEval prompts held out")
-    parser.add_argument("--max_new_tokens", type=int, default=128, help="length of the dense reference generations")
-    parser.add_argument("--ppl_tokens", type=int, default=32768)
-    parser.add_argument("--seq_len", type=int, default=512, help="perplexity window")
-    parser.add_argument("--c4_ppl_tokens", type=int, default=0,
+    parser.add_argument("--heldout_writing", type=cli_args.non_negative_int, default=20, help="LongBench-Write prompts held out (at most 20)")
+    parser.add_argument("--heldout_code", type=cli_args.non_negative_int, default=10, help="HumanEval prompts held out")
+    parser.add_argument("--max_new_tokens", type=cli_args.positive_int, default=128, help="length of the dense reference generations")
+    parser.add_argument("--ppl_tokens", type=cli_args.positive_int, default=32768)
+    parser.add_argument("--seq_len", type=cli_args.positive_int, default=512, help="perplexity window")
+    parser.add_argument("--c4_ppl_tokens", type=cli_args.non_negative_int, default=0,
                         help="also perplexity on this many held-out C4 tokens (documents no text calibration "
                              "reads; see the module docstring), cached on its own; 0: off")
     parser.add_argument("--tasks", nargs="*", default=[], choices=["humaneval", "mbpp", "classeval", "longbench_write"],
                         help="task scores, each cached on its own (adding a task re-runs nothing else)")
-    parser.add_argument("--task_limit", type=int, default=20)
-    parser.add_argument("--task_max_new_tokens", type=int, default=384)
-    parser.add_argument("--batch_size", type=int, default=8)
+    parser.add_argument("--task_limit", type=cli_args.positive_int, default=20)
+    parser.add_argument("--task_max_new_tokens", type=cli_args.positive_int, default=384)
+    parser.add_argument("--batch_size", type=cli_args.positive_int, default=8)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--existing_only", action="store_true",
                         help="tabulate what exists: cells whose pruned checkpoint is in --workdir, task scores "
@@ -357,7 +357,7 @@ def main():
         prune_options(args.prune_args)  # a bad flag stops the grid before any work
         results = run_grid(args)
     except (*USER_ERRORS, CalibrationError) as e:
-        sys.exit(f"error: {e}")
+        cli_args.exit_with_error(e)
     print_summary(results)
 
 

@@ -23,9 +23,7 @@ CLI: python -m evaluation.diagnostics activation --dense D.pth --pruned P.pth --
      python -m evaluation.diagnostics hessian --dense D.pth --out_dir DIR [--calib_prompts F --heldout_prompts F
          --text c4_sample.jsonl --tokens 8192]
 """
-import argparse
 import statistics
-import sys
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -33,6 +31,7 @@ import torch
 import torch.nn as nn
 from tqdm import tqdm
 
+import cli_args
 from evaluation.compare import prompt_split
 from evaluation.data import data_path, read_prompts, write_json_atomic
 from evaluation.fidelity import dense_references
@@ -221,22 +220,22 @@ def plot_hessian(tables: dict, path):
 
 
 def main():
-    parser = argparse.ArgumentParser(description="Figure 1(a) activation drift and Appendix A.2 Hessian epsilon.")
+    parser = cli_args.ArgumentParser(description="Figure 1(a) activation drift and Appendix A.2 Hessian epsilon.")
     sub = parser.add_subparsers(dest="command", required=True)
     act = sub.add_parser("activation", help="per-layer discrepancy vs decode step")
     act.add_argument("--pruned", required=True)
     act.add_argument("--prompts", help="held-out prompts (default: the held-out split of evaluation.compare)")
-    act.add_argument("--limit", type=int, default=8)
+    act.add_argument("--limit", type=cli_args.positive_int, default=8)
     hes = sub.add_parser("hessian", help="AR vs C4 calibration Hessians against decode-time Hessians")
     hes.add_argument("--calib_prompts", help="decoding-aware calibration prompts (default: evaluation.compare's calibration split)")
     hes.add_argument("--heldout_prompts", help="prompts standing in for deployment (default: compare's held-out split)")
     hes.add_argument("--text", default="c4_sample.jsonl", help="teacher-forced calibration text")
-    hes.add_argument("--tokens", type=int, default=8192, help="token budget of AR and of C4 (equal)")
-    hes.add_argument("--seq_len", type=int, default=512, help="C4 window length")
-    hes.add_argument("--limit", type=int, default=16, help="held-out prompts")
+    hes.add_argument("--tokens", type=cli_args.positive_int, default=8192, help="token budget of AR and of C4 (equal)")
+    hes.add_argument("--seq_len", type=cli_args.positive_int, default=512, help="C4 window length")
+    hes.add_argument("--limit", type=cli_args.positive_int, default=16, help="held-out prompts")
     for p in (act, hes):
         p.add_argument("--dense", required=True)
-        p.add_argument("--max_new_tokens", type=int, default=128)
+        p.add_argument("--max_new_tokens", type=cli_args.positive_int, default=128)
         p.add_argument("--device", default="cpu")
         p.add_argument("--out_dir", required=True)
     args = parser.parse_args()
@@ -263,7 +262,7 @@ def main():
                 print(f"fraction {row['fraction']:>5}: AR < C4 in {row['ar_below_c4']}/{row['modules']} modules, "
                       f"median eps_AR/eps_C4 {row['median_ratio_ar_over_c4']:.3f}")
     except USER_ERRORS as e:
-        sys.exit(f"error: {e}")
+        cli_args.exit_with_error(e)
 
 
 def hessian_study(dense, tokenizer, args) -> dict:

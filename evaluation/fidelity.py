@@ -13,13 +13,13 @@ position that predicts generated token t) we compare the next-token distribution
 CLI: python -m evaluation.fidelity --dense dense.pth --pruned pruned.pth [--prompts FILE] [--limit 20]
          [--max_new_tokens 256] [--out fidelity.json]
 """
-import argparse
 import statistics
 
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+import cli_args
 from evaluation.data import data_path, read_prompts
 from evaluation.generation import (encode_prompt, forward_logits, greedy_token_ids, load_model,
                                    load_model_and_tokenizer, run_cli)
@@ -95,13 +95,13 @@ def dense_references(dense_model, tokenizer, prompts: list[str], max_new_tokens:
 
 
 def main():
-    parser = argparse.ArgumentParser(description="Decode fidelity of a pruned checkpoint against its dense source.")
+    parser = cli_args.ArgumentParser(description="Decode fidelity of a pruned checkpoint against its dense source.")
     parser.add_argument("--dense", required=True, help="dense checkpoint")
     parser.add_argument("--pruned", required=True, help="pruned checkpoint (packed or dense-zeros)")
     parser.add_argument("--prompts", help="held-out prompts, .jsonl or .txt (default: shared longbench_write_en.jsonl)")
-    parser.add_argument("--limit", type=int, default=20)
-    parser.add_argument("--max_new_tokens", type=int, default=256)
-    parser.add_argument("--batch_size", type=int, default=8)
+    parser.add_argument("--limit", type=cli_args.positive_int, default=20)
+    parser.add_argument("--max_new_tokens", type=cli_args.positive_int, default=256)
+    parser.add_argument("--batch_size", type=cli_args.positive_int, default=8)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out")
     args = parser.parse_args()

@@ -4,11 +4,11 @@ prompts into greedy replies, and run a teacher-forced forward pass.
 Built on the engine's contracts: generate.load_model / generate.generate and tokenizer.py.
 """
 import argparse
-import sys
 from typing import Callable
 
 import torch
 
+import cli_args
 from checkpoint import CheckpointError
 from model import Transformer
 
@@ -72,21 +72,22 @@ def forward_logits(model: Transformer, idx: torch.Tensor) -> torch.Tensor:
 
 
 def add_generation_args(parser: argparse.ArgumentParser, max_new_tokens: int, batch_size: int):
-    """The flags every task CLI shares: which model, how much to generate, where to write."""
+    """The flags every task CLI shares: which model, how much to generate, where to write. Budgets
+    are checked as they are parsed (cli_args), before a model is loaded."""
     parser.add_argument("--checkpoint", help="model checkpoint (dense or packed-sparse)")
-    parser.add_argument("--limit", type=int, help="first N items only")
-    parser.add_argument("--max_new_tokens", type=int, default=max_new_tokens)
-    parser.add_argument("--batch_size", type=int, default=batch_size)
+    parser.add_argument("--limit", type=cli_args.positive_int, help="first N items only")
+    parser.add_argument("--max_new_tokens", type=cli_args.positive_int, default=max_new_tokens)
+    parser.add_argument("--batch_size", type=cli_args.positive_int, default=batch_size)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", help="write detailed results as JSON")
 
 
 def run_cli(evaluate_fn, summary_fn, out_path):
-    """Run an evaluation, print its one-line summary, write its JSON; bad input exits with one line."""
+    """Run an evaluation, print its one-line summary, write its JSON; bad input exits 2 with one line."""
     try:
         result = evaluate_fn()
     except USER_ERRORS as e:
-        sys.exit(f"error: {e}")
+        cli_args.exit_with_error(e)
     print(summary_fn(result))
     if out_path:
         from evaluation.data import write_json_atomic

@@ -11,10 +11,10 @@ so S_l = 100 at the exact length and 0 at a third of it or at four times it. An 
 CLI: python -m evaluation.longbench_write --checkpoint model.pth [--prompts longbench_write_en.jsonl]
          [--limit 20] [--max_new_tokens 2048] [--out lbw.json]
 """
-import argparse
 import re
 from typing import Callable
 
+import cli_args
 from evaluation.data import data_path, read_jsonl
 from evaluation.generation import add_generation_args, load_generate_fn, run_cli
 
@@ -49,7 +49,7 @@ def evaluate(rows: list[dict], generate_fn: Callable[[list[str]], list[str]]) ->
 
 
 def main():
-    parser = argparse.ArgumentParser(description="LongBench-Write length score S_l.")
+    parser = cli_args.ArgumentParser(description="LongBench-Write length score S_l.")
     parser.add_argument("--prompts", help="jsonl with prompt/length (default: shared longbench_write_en.jsonl)")
     add_generation_args(parser, max_new_tokens=2048, batch_size=4)
     args = parser.parse_args()  # prompts needing more words than --max_new_tokens cannot reach S_l = 100

@@ -9,7 +9,6 @@ Sources: a local file (wikitext2_test.raw as raw text, c4_sample.jsonl by its "t
 
 CLI: python -m evaluation.perplexity --checkpoint model.pth --data wikitext2_test.raw [--seq_len 512] [--max_tokens 65536]
 """
-import argparse
 import json
 import math
 from pathlib import Path
@@ -18,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+import cli_args
 from evaluation.data import data_path, open_text
 from evaluation.generation import forward_logits, load_model_and_tokenizer, run_cli
 
@@ -78,13 +78,13 @@ def text_perplexity(model, tokenizer, text: str, seq_len: int, max_tokens: int |
 
 
 def main():
-    parser = argparse.ArgumentParser(description="Perplexity of a checkpoint on a text file or hub dataset file.")
+    parser = cli_args.ArgumentParser(description="Perplexity of a checkpoint on a text file or hub dataset file.")
     parser.add_argument("--checkpoint", required=True)
     parser.add_argument("--data", default="wikitext2_test.raw",
                         help="a file path, or a file name in the shared data folder")
     parser.add_argument("--hub", help="hub dataset file instead of --data: owner/name:path/in/repo")
-    parser.add_argument("--seq_len", type=int, default=2048)
-    parser.add_argument("--max_tokens", type=int, help="score only the first N tokens")
+    parser.add_argument("--seq_len", type=cli_args.positive_int, default=2048)
+    parser.add_argument("--max_tokens", type=cli_args.positive_int, help="score only the first N tokens")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", help="write the result as JSON")
     args = parser.parse_args()

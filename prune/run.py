@@ -37,9 +37,9 @@ scripts/bench_prune.py times it.
 Public: read_source (the one read of a checkpoint), calibrate_by_decoding, prune_model -> a
 PrunedCheckpoint to save; main() is `python -m prune` over them.
 """
-import argparse
 import copy
 import fnmatch
+import os
 import resource
 import sys
 import time
@@ -50,7 +50,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+import cli_args
+from checkpoint import CheckpointError, load_checkpoint, same_file, save_checkpoint
 from model import ModelArgs, Transformer, precompute_rope
 from prune.calibration import (CalibrationError, CalibrationSet, InputStatistics, decode_calibration,
                                download_c4_shard, read_prompts, text_windows)
@@ -322,8 +323,26 @@ class PrunedCheckpoint:
     metadata: dict  # the source's provenance + sparsity, method, calibration, timing, seed
 
     def save(self, path):
-        """Write the checkpoint (and config.json beside it) atomically: an interrupted save leaves nothing."""
+        """Write the checkpoint atomically (an interrupted save leaves nothing), never over its source."""
+        check_output_path(path, [self.metadata.get("source_checkpoint")])
         save_checkpoint(path, self.state_dict, self.config, self.metadata)
+
+
+def check_output_path(out, inputs):
+    """Refuse an output that would destroy an input (the same file, a hard link or a symlink to one)
+    or that cannot be written as a file (an existing directory, a folder that cannot be made or
+    written): raises ValueError before any work, not after an hour of pruning."""
+    out = Path(out)
+    if out.is_dir():
+        raise ValueError(f"--out {out} is a directory; name the checkpoint file to write (e.g. {out / 'pruned.pth'})")
+    folder = next(p for p in out.absolute().parents if p.exists())  # the folder made or written in
+    if not folder.is_dir():
+        raise ValueError(f"--out {out}: {folder} is a file, not a folder")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {out}: no permission to write in {folder}")
+    for path in inputs:
+        if path is not None and same_file(out, path):
+            raise ValueError(f"--out {out} is the input {path}; writing it would destroy the input")
 
 
 def prune_model(model, calibration: CalibrationSet, method: str = "sparsegpt", pattern: str = "2:4", *,
@@ -416,7 +435,7 @@ def build_calibration(args, source: Source, device) -> CalibrationSet:
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m prune", description="Prune a checkpoint's block linears "
+    p = cli_args.ArgumentParser(prog="python -m prune", description="Prune a checkpoint's block linears "
                                 "(SparseGPT, Wanda or magnitude) and write a packed sparse checkpoint.")
     p.add_argument("--checkpoint", "--checkpoint_path", required=True, help="dense source checkpoint (.pth)")
     p.add_argument("--method", choices=list(METHODS), default="sparsegpt")
@@ -425,19 +444,19 @@ def parse_args(argv):
                    help="decode: decoding-aware (generated continuations, decode positions only); text: teacher-forced windows")
     p.add_argument("--prompts", help="prompt file for --calib decode (jsonl field prompt/input/text, or one per line)")
     p.add_argument("--text", help="corpus for --calib text (jsonl field text, or plain text); 'c4' downloads a C4 shard")
-    p.add_argument("--tokens", type=int, default=1_000_000,
+    p.add_argument("--tokens", type=cli_args.positive_int, default=1_000_000,
                    help="calibration budget: decode tokens (decode) or window tokens (text)")
-    p.add_argument("--seq_len", type=int, help="window length for --calib text (default: 2048, or the model's context if shorter)")
+    p.add_argument("--seq_len", type=cli_args.positive_int, help="window length for --calib text (default: 2048, or the model's context if shorter)")
     p.add_argument("--out", required=True, help="output checkpoint (.pth), written atomically")
     p.add_argument("--generator", help="checkpoint that generates the calibration text (same tokenizer); default: the pruned model")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--max_new_tokens", type=int, default=512)
-    p.add_argument("--batch_size", type=int, help="prompts generated at once (default: 128 on CUDA, where the decode "
+    p.add_argument("--max_new_tokens", type=cli_args.positive_int, default=512)
+    p.add_argument("--batch_size", type=cli_args.positive_int, help="prompts generated at once (default: 128 on CUDA, where the decode "
                    "is memory-bound and a batch costs about what one row does; 16 on the CPU)")
-    p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--top_k", type=int, default=20)
-    p.add_argument("--top_p", type=float, default=0.8)
+    p.add_argument("--temperature", type=cli_args.temperature, default=0.7)
+    p.add_argument("--top_k", type=cli_args.top_k, default=20, help="tokens kept per step, or 'off'")
+    p.add_argument("--top_p", type=cli_args.top_p, default=0.8)
     p.add_argument("--greedy", action="store_true", help="greedy decoding instead of sampling")
     p.add_argument("--no_compile", action="store_true", help="do not torch.compile the generation on CUDA")
     p.add_argument("--count_first_token", action="store_true",
@@ -448,16 +467,15 @@ def parse_args(argv):
                    help="calibrate every layer on the dense model's activations (default: sequential, on the pruned ones)")
     p.add_argument("--include", nargs="+", default=["layers.*"], help="globs of block linears to prune")
     p.add_argument("--exclude", nargs="+", default=[], help="globs of block linears to keep dense")
-    p.add_argument("--batch_tokens", type=int, default=8192, help="tokens per replay batch")
+    p.add_argument("--batch_tokens", type=cli_args.positive_int, default=8192, help="tokens per replay batch")
     args = p.parse_args(argv)
     parse_pattern(args.pattern)  # raises ValueError naming the problem
     if args.calib == "decode" and not args.prompts:
         p.error("--calib decode needs --prompts FILE")
     if args.calib == "text" and not args.text:
         p.error("--calib text needs --text FILE (or --text c4)")
-    for flag in ("tokens", "seq_len", "max_new_tokens", "batch_size", "batch_tokens"):
-        if getattr(args, flag) is not None and getattr(args, flag) <= 0:
-            p.error(f"--{flag} must be positive")
+    if args.calib == "decode" and args.max_new_tokens < 2:  # the first token comes from the prefill
+        p.error("--calib decode needs --max_new_tokens >= 2")
     return args
 
 
@@ -468,6 +486,7 @@ def main(argv=None):
         device = torch.device(args.device)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda but CUDA is not available")
+        check_output_path(args.out, [args.checkpoint, args.generator, args.prompts, args.text])
         source = read_source(args.checkpoint)  # the run's one read of the checkpoint
         config = source.model.config
         # A bad checkpoint, pattern or selection fails here, before any generation.
@@ -487,7 +506,7 @@ def main(argv=None):
         pruned.save(args.out)
         metadata = pruned.metadata
     except (CheckpointError, CalibrationError, ValueError, FileNotFoundError) as e:
-        sys.exit(f"prune: error: {e}")
+        cli_args.exit_with_error(e, "prune")
     except KeyboardInterrupt:
         sys.exit("prune: interrupted; no output written")
     wall = time.perf_counter() - started

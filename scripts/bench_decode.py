@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import cli_args  # noqa: E402
 import generate  # noqa: E402
 from scripts.kernel_profile import profile_steps  # noqa: E402
 from checkpoint import atomic_write  # noqa: E402
@@ -156,7 +157,7 @@ def bench_model_in_child(name: str, sparse_patterns: list, remaining, args, rows
                    "--prompt_length", str(args.prompt_length), "--new_tokens", str(args.new_tokens),
                    "--warmup_steps", str(args.warmup_steps), "--temperature", str(args.temperature),
                    "--copy_bandwidth", str(args.copy_bandwidth), "--deadline_s", str(remaining()), "--out", str(args.out)]
-        command += ["--top_k", str(args.top_k)] if args.top_k is not None else []
+        command += ["--top_k", "off" if args.top_k is None else str(args.top_k)]
         command += ["--top_p", str(args.top_p)] if args.top_p is not None else []
         command += ["--profile"] if args.profile else []
         done = subprocess.run(command, stdin=subprocess.DEVNULL)  # its output goes straight to ours
@@ -266,16 +267,16 @@ def environment() -> dict:
 
 def parse_args(argv=None):
     split = lambda text: [s.strip() for s in text.split(",") if s.strip()]  # noqa: E731
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = cli_args.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", type=split, default=["Llama-3.1-8B"])
     p.add_argument("--patterns", type=split, default=["dense"], help="dense and/or N:M patterns, e.g. dense,2:4")
-    p.add_argument("--batch_sizes", type=lambda s: [int(b) for b in split(s)], default=[1])
-    p.add_argument("--prompt_length", type=int, default=512)
-    p.add_argument("--new_tokens", type=int, default=256)
-    p.add_argument("--warmup_steps", type=int, default=50, help="decode steps of the timed call left out")
-    p.add_argument("--temperature", type=float, default=0.8, help="GPT-Fast's defaults, for a like-for-like run")
-    p.add_argument("--top_k", type=int, default=200)
-    p.add_argument("--top_p", type=float, default=None)
+    p.add_argument("--batch_sizes", type=lambda s: [cli_args.positive_int(b) for b in split(s)], default=[1])
+    p.add_argument("--prompt_length", type=cli_args.positive_int, default=512)
+    p.add_argument("--new_tokens", type=cli_args.positive_int, default=256)
+    p.add_argument("--warmup_steps", type=cli_args.non_negative_int, default=50, help="decode steps of the timed call left out")
+    p.add_argument("--temperature", type=cli_args.temperature, default=0.8, help="GPT-Fast's defaults, for a like-for-like run")
+    p.add_argument("--top_k", type=cli_args.top_k, default=200, help="tokens kept per step, or 'off'")
+    p.add_argument("--top_p", type=cli_args.top_p, default=None)
     p.add_argument("--copy_bandwidth", type=float, default=4.27e12,
                    help="the GPU's device-to-device copy, bytes/s (default: the H200's, docs/BENCHMARKS.md)")
     p.add_argument("--gptfast", type=Path, help="a copy of pytorch-labs/gpt-fast: time its dense decode side by side")

@@ -23,7 +23,6 @@ of the paper's prompt sets. Every phase runs prune's own code, the functions the
 
 Prints one JSON line (also written to --json) and a short table; tqdm shows progress on stderr.
 """
-import argparse
 import gc
 import json
 import sys
@@ -33,6 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import cli_args  # noqa: E402
 from checkpoint import atomic_write  # noqa: E402
 from generate import generate  # noqa: E402
 from prune import CalibrationSet, prune_model  # noqa: E402
@@ -185,17 +185,17 @@ def table(record: dict) -> str:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = cli_args.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="Llama-3.1-8B", help="a name in model.py's transformer_configs")
-    p.add_argument("--tokens", type=int, default=1_000_000, help="decode-token budget")
-    p.add_argument("--batch_size", type=int, default=128, help="prompts generated at once")
-    p.add_argument("--max_new_tokens", type=int, default=512)
-    p.add_argument("--prompts", type=int, default=1024, help="distinct random prompts (cycled)")
+    p.add_argument("--tokens", type=cli_args.positive_int, default=1_000_000, help="decode-token budget")
+    p.add_argument("--batch_size", type=cli_args.positive_int, default=128, help="prompts generated at once")
+    p.add_argument("--max_new_tokens", type=cli_args.positive_int, default=512)
+    p.add_argument("--prompts", type=cli_args.positive_int, default=1024, help="distinct random prompts (cycled)")
     p.add_argument("--prompt_lengths", type=lambda s: tuple(int(n) for n in s.split(":")), default=(64, 512),
                    help="MIN:MAX prompt length in tokens")
     p.add_argument("--pattern", default="2:4")
     p.add_argument("--one-shot", "--one_shot", dest="one_shot", action="store_true")
-    p.add_argument("--batch_tokens", type=int, default=8192, help="tokens per replay batch")
+    p.add_argument("--batch_tokens", type=cli_args.positive_int, default=8192, help="tokens per replay batch")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--no_compile", action="store_true")
     p.add_argument("--seed", type=int, default=0)

@@ -8,7 +8,6 @@
 The readers and the writer are the convert/ package; this is its command line. A file we cannot
 convert stops it with one line naming the file, tensor or setting at fault, and nothing written.
 """
-import argparse
 import sys
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 
+import cli_args  # noqa: E402
 from checkpoint import CheckpointError  # noqa: E402
 from convert import (ConversionError, convert_gguf, convert_hf_folder, convert_llama2c,  # noqa: E402
                      embedded_smollm2_gguf)
@@ -24,7 +24,7 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = cli_args.ArgumentParser(description=__doc__.split("\n\n")[0])
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("folder", nargs="?", type=Path, help="Hugging Face model folder (config.json + weights)")
     source.add_argument("--gguf", type=Path, help="a GGUF file (llama architecture, gpt2-style BPE vocabulary)")
@@ -45,7 +45,7 @@ def main(argv=None):
         else:
             convert_llama2c(args.llama2c, args.out, dtype or torch.float32, args.tokenizer)
     except (ConversionError, CheckpointError) as e:
-        sys.exit(f"error: {e}")
+        cli_args.exit_with_error(e)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,8 @@
 """checkpoint.py: what atomic_write lands on disk and what it does not; damaged checkpoints refused."""
 import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -34,8 +37,47 @@ def test_atomic_write_leaves_nothing_when_the_writer_fails(tmp_path):
 
 def test_corrupt_checkpoint(tmp_path):
     (tmp_path / "model.pth").write_bytes(b"not a checkpoint at all")
-    with pytest.raises(CheckpointError, match="corrupt or not a torch checkpoint"):
+    with pytest.raises(CheckpointError, match="not a checkpoint: .*model.pth"):
         load_checkpoint(tmp_path / "model.pth")
+
+
+REPO = Path(__file__).resolve().parent.parent
+
+# A writer killed mid-write: the temp file is on disk, the rename never happens.
+KILLED_WRITER = """
+import sys, time
+sys.path.insert(0, {repo!r})
+from checkpoint import atomic_write
+
+def write_forever(tmp):
+    with open(tmp, "wb") as f:
+        f.write(b"partial")
+        f.flush()
+        print("writing", flush=True)
+        time.sleep(60)
+
+atomic_write({target!r}, write_forever)
+"""
+
+
+def test_temp_file_of_a_killed_write_is_removed_by_the_next_write(tmp_path):
+    target = tmp_path / "model.pth"
+    child = subprocess.Popen([sys.executable, "-c", KILLED_WRITER.format(repo=str(REPO), target=str(target))],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "writing"
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    orphan = tmp_path / f".model.pth.{child.pid}.tmp"
+    assert sorted(os.listdir(tmp_path)) == [orphan.name]  # what SIGKILL leaves behind
+    # A live process's temp file (pid 1 is always alive) and files that are not ours stay.
+    keep = [tmp_path / ".model.pth.1.tmp", tmp_path / ".model.pth.backup.tmp", tmp_path / ".other.pth.999999999.tmp"]
+    for path in keep:
+        path.write_bytes(b"keep")
+    atomic_write(target, lambda tmp: Path(tmp).write_bytes(b"complete"))
+    assert target.read_bytes() == b"complete"
+    assert sorted(os.listdir(tmp_path)) == sorted([target.name] + [p.name for p in keep])
 
 
 def test_truncated_converted_checkpoint(tiny_hf_folder, tmp_path):

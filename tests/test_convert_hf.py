@@ -135,3 +135,79 @@ def test_corrupt_weights_file(tiny_hf_folder, tmp_path):
     done = run_script("convert_hf.py", bad, "--out", tmp_path / "out")
     assert_one_line_error(done, "cannot read", "model.safetensors")
     assert not (tmp_path / "out").exists()
+
+
+def folder_with_config(folder: Path, target: Path, **changes) -> Path:
+    """A copy of `folder` whose config.json has `changes` (a value of None removes the key)."""
+    target.mkdir()
+    config = json.loads((folder / "config.json").read_text())
+    config.update(changes)
+    (target / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
+    (target / "model.safetensors").symlink_to(folder / "model.safetensors")
+    return target
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(num_attention_heads=0), "num_attention_heads must be a positive integer, got 0"),
+    (dict(num_hidden_layers="2"), "num_hidden_layers must be a positive integer, got '2'"),
+    (dict(num_hidden_layers=2.5), "num_hidden_layers must be a positive integer, got 2.5"),
+    (dict(hidden_size=-64), "hidden_size must be a positive integer, got -64"),
+    (dict(vocab_size=None), "it has no 'vocab_size'"),
+])
+def test_bad_config_values_are_refused_by_name(changes, message, tiny_hf_folder, tmp_path):
+    folder, _ = tiny_hf_folder("llama")
+    bad = folder_with_config(folder, tmp_path / "bad", **changes)
+    with pytest.raises(ConversionError, match=message.replace("(", r"\(")) as error:
+        convert_hf_folder(bad, tmp_path / "out")
+    assert "config.json" in str(error.value) and "\n" not in str(error.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_bad_config_exits_with_code_2_and_one_line(tiny_hf_folder, tmp_path):
+    folder, _ = tiny_hf_folder("llama")
+    bad = folder_with_config(folder, tmp_path / "bad", num_attention_heads=0)
+    done = run_script("convert_hf.py", bad, "--out", tmp_path / "out")
+    assert_one_line_error(done, "num_attention_heads must be a positive integer")
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()
+
+
+class Payload:
+    """A pickled object that is not a tensor: what a malicious pytorch_model.bin would carry."""
+
+
+@pytest.mark.parametrize("content, message", [
+    (lambda path: torch.save({"model.embed_tokens.weight": Payload()}, path), "Python objects besides tensors"),
+    (lambda path: path.write_bytes(b"\x00garbage" * 100), "cannot read"),
+    (lambda path: torch.save([torch.zeros(2)], path), "not a dict of tensors"),
+])
+def test_bad_pytorch_model_bin_is_one_line(content, message, tiny_hf_folder, tmp_path):
+    folder, _ = tiny_hf_folder("llama")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    shutil.copy(folder / "config.json", bad)
+    content(bad / "pytorch_model.bin")
+    with pytest.raises(ConversionError, match=message) as error:
+        convert_hf_folder(bad, tmp_path / "out")
+    assert "pytorch_model.bin" in str(error.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_refused_pickle_exits_with_code_2(tiny_hf_folder, tmp_path):
+    folder, _ = tiny_hf_folder("llama")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    shutil.copy(folder / "config.json", bad)
+    torch.save({"model.embed_tokens.weight": Payload()}, bad / "pytorch_model.bin")
+    done = run_script("convert_hf.py", bad, "--out", tmp_path / "out")
+    assert_one_line_error(done, "pytorch_model.bin", "Python objects besides tensors")
+    assert done.returncode == 2
+
+
+@pytest.mark.parametrize("flag", [None, "--gguf", "--llama2c"])
+def test_a_file_that_is_no_model_exits_with_code_2(flag, tmp_path):
+    (tmp_path / "random.pth").write_bytes(bytes(range(256)) * 64)
+    done = run_script("convert_hf.py", *([flag] if flag else []), tmp_path / "random.pth", "--out", tmp_path / "out")
+    assert_one_line_error(done, "random.pth")
+    assert done.returncode == 2
+    assert not (tmp_path / "out").exists()

@@ -380,8 +380,37 @@ def test_cli_missing_checkpoint(tmp_path):
 
 
 def test_cli_corrupt_checkpoint(tmp_path):
-    (tmp_path / "model.pth").write_bytes(b"this is not a checkpoint" * 10)
-    assert_one_error_line(run_cli("--checkpoint_path", tmp_path / "model.pth"), "corrupt")
+    (tmp_path / "model.pth").write_bytes(bytes(range(256)) * 64)
+    result = run_cli("--checkpoint_path", tmp_path / "model.pth")
+    assert_one_error_line(result, f"not a checkpoint: {tmp_path / 'model.pth'}")
+    assert result.returncode == 2
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--temperature", "-1", "must be >= 0"), ("--temperature", "nan", "must be finite"),
+    ("--top_p", "0", "must be in (0, 1]"), ("--top_p", "-0.5", "must be in (0, 1]"),
+    ("--top_k", "0", "must be >= 1 or 'off'"), ("--top_k", "-3", "must be >= 1 or 'off'"),
+    ("--max_new_tokens", "0", "must be a positive integer"), ("--batch_size", "-1", "must be a positive integer"),
+    ("--num_samples", "0", "must be a positive integer"),
+])
+def test_cli_refuses_bad_sampling_and_budgets_before_loading(flag, value, message, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(generate, "load_model", lambda *args: pytest.fail("loaded the checkpoint"))
+    with pytest.raises(SystemExit) as exit_info:
+        generate.main(["--checkpoint", str(tmp_path / "model.pth"), flag, value])
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and f"error: argument {flag}: {message}" in lines[0], lines
+
+
+def test_cli_bad_argument_is_one_line_and_exit_code_2():
+    result = run_cli("--checkpoint", "model.pth", "--top_k", "0")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "generate.py: error: argument --top_k: must be >= 1 or 'off', got 0 (see --help)"]
+
+
+def test_cli_top_k_off_means_no_top_k_cut():
+    assert generate.parse_args(["--checkpoint", "m.pth", "--top_k", "off"]).top_k is None
 
 
 @pytest.fixture

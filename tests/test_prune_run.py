@@ -223,7 +223,7 @@ def test_a_pruned_checkpoint_is_refused_as_a_source(tiny_checkpoint, tmp_path):
     (["--method", "sparsegpt", "--include", "nothing.*"], "no block linear matches"),
     (["--pattern", "2:4", "--include", "layers.0.*"], None),  # fine up to the tokenizer step
 ])
-def test_cli_bad_inputs_exit_with_one_line(argv, message, tiny_checkpoint, tmp_path, monkeypatch):
+def test_cli_bad_inputs_exit_with_one_line(argv, message, tiny_checkpoint, tmp_path, monkeypatch, capsys):
     base = ["--checkpoint", str(tiny_checkpoint), "--calib", "text", "--text", str(tmp_path / "missing.txt"),
             "--out", str(tmp_path / "x.pth")]
     if message is None:  # get past the checks: then the missing text file is the error
@@ -231,11 +231,17 @@ def test_cli_bad_inputs_exit_with_one_line(argv, message, tiny_checkpoint, tmp_p
         monkeypatch.setattr("tokenizer.find_tokenizer", lambda path, metadata=None: path)
         monkeypatch.setattr("tokenizer.load_tokenizer", lambda path: None)
         message = "text file not found"
-    with pytest.raises(SystemExit) as exit_info:
-        main(base + argv)
-    assert isinstance(exit_info.value.code, str) and exit_info.value.code.startswith("prune: error:")
-    assert message in exit_info.value.code and "\n" not in exit_info.value.code
+    assert_exits_with_one_line(lambda: main(base + argv), capsys, "prune: error:", message)
     assert not (tmp_path / "x.pth").exists()
+
+
+def assert_exits_with_one_line(run, capsys, prefix, message):
+    """run() exits with code 2 and one line on stderr starting with prefix and holding message."""
+    with pytest.raises(SystemExit) as exit_info:
+        run()
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(prefix) and message in lines[0], lines
 
 
 @pytest.mark.parametrize("argv", [["--calib", "decode"], ["--calib", "text", "--text", "t.txt", "--tokens", "0"],
@@ -251,8 +257,87 @@ def test_cli_error_has_no_traceback(tmp_path):
     result = subprocess.run([sys.executable, "-m", "prune", "--checkpoint", str(tmp_path / "none.pth"), "--calib",
                              "text", "--text", "t.txt", "--out", str(tmp_path / "o.pth")],
                             capture_output=True, text=True, cwd=prune.run.__file__.rsplit("/prune/", 1)[0])
-    assert result.returncode != 0
+    assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [f"prune: error: checkpoint not found: {tmp_path / 'none.pth'}"]
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--temperature", "-1", "must be >= 0"), ("--temperature", "nan", "must be finite"),
+    ("--temperature", "inf", "must be finite"), ("--top_p", "0", "must be in (0, 1]"),
+    ("--top_p", "1.5", "must be in (0, 1]"), ("--top_k", "0", "must be >= 1 or 'off'"),
+    ("--top_k", "many", "expected an integer"), ("--tokens", "-5", "must be a positive integer"),
+    ("--max_new_tokens", "0", "must be a positive integer"), ("--batch_size", "0", "must be a positive integer"),
+    ("--batch_tokens", "0", "must be a positive integer"), ("--seq_len", "0", "must be a positive integer"),
+    ("--max_new_tokens", "1", "--max_new_tokens >= 2"),
+])
+def test_cli_refuses_bad_sampling_and_budgets_before_reading_anything(flag, value, message, tmp_path, monkeypatch,
+                                                                       capsys):
+    monkeypatch.setattr(prune.run, "read_source", lambda path: pytest.fail("read the checkpoint"))
+    argv = ["--checkpoint", str(tmp_path / "m.pth"), "--calib", "decode", "--prompts", "p.txt",
+            "--out", str(tmp_path / "o.pth"), flag, value]
+    assert_exits_with_one_line(lambda: main(argv), capsys, "python -m prune: error:", message)
+
+
+def test_cli_top_k_off_means_no_top_k_cut():
+    args = prune.run.parse_args(["--checkpoint", "m.pth", "--prompts", "p.txt", "--out", "o.pth", "--top_k", "off"])
+    assert args.top_k is None
+
+
+@pytest.mark.parametrize("link", ["same path", "hard link", "symlink"])
+def test_cli_refuses_out_that_is_the_input(link, tiny_checkpoint, tmp_path, monkeypatch, capsys):
+    source = tmp_path / "model.pth"
+    source.write_bytes(tiny_checkpoint.read_bytes())
+    out = {"same path": source, "hard link": tmp_path / "hard.pth", "symlink": tmp_path / "link.pth"}[link]
+    if link == "hard link":
+        out.hardlink_to(source)
+    elif link == "symlink":
+        out.symlink_to(source)
+    monkeypatch.setattr(prune.run, "read_source", lambda path: pytest.fail("read the checkpoint"))
+    argv = ["--checkpoint", str(source), "--calib", "text", "--text", "t.txt", "--out", str(out)]
+    assert_exits_with_one_line(lambda: main(argv), capsys, "prune: error:", "would destroy the input")
+    assert source.read_bytes() == tiny_checkpoint.read_bytes()
+
+
+def test_cli_refuses_out_that_is_the_prompt_file(tmp_path, capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("hello\n")
+    argv = ["--checkpoint", str(tmp_path / "m.pth"), "--prompts", str(prompts), "--out", str(prompts)]
+    assert_exits_with_one_line(lambda: main(argv), capsys, "prune: error:", "would destroy the input")
+    assert prompts.read_text() == "hello\n"
+
+
+@pytest.mark.parametrize("out, message", [(".", "is a directory"), ("a_file/pruned.pth", "a_file is a file, not a folder")])
+def test_cli_refuses_an_output_it_cannot_write_before_any_work(out, message, tiny_checkpoint, tmp_path, monkeypatch,
+                                                                capsys):
+    (tmp_path / "a_file").write_text("")
+    monkeypatch.setattr(prune.run, "read_source", lambda path: pytest.fail("read the checkpoint"))
+    argv = ["--checkpoint", str(tiny_checkpoint), "--calib", "text", "--text", "t.txt", "--out", str(tmp_path / out)]
+    assert_exits_with_one_line(lambda: main(argv), capsys, "prune: error:", message)
+
+
+def test_cli_random_bytes_are_not_a_checkpoint(tmp_path, capsys):
+    (tmp_path / "random.pth").write_bytes(bytes(range(256)) * 64)
+    argv = ["--checkpoint", str(tmp_path / "random.pth"), "--calib", "text", "--text", "t.txt",
+            "--out", str(tmp_path / "o.pth")]
+    assert_exits_with_one_line(lambda: main(argv), capsys, "prune: error:", f"not a checkpoint: {tmp_path / 'random.pth'}")
+
+
+def test_saving_writes_one_file_and_never_another_models_config(tiny_checkpoint, tmp_path):
+    """The pruned checkpoint carries its config inside; a folder it is written into keeps its own files."""
+    other_config = '{"note": "another model\'s config"}\n'
+    (tmp_path / "config.json").write_text(other_config)
+    prune_checkpoint(tiny_checkpoint, calibration_set(), "magnitude", "2:4", tmp_path / "pruned.pth")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "pruned.pth"]
+    assert (tmp_path / "config.json").read_text() == other_config
+    assert load_checkpoint(tmp_path / "pruned.pth")[1] == load_checkpoint(tiny_checkpoint)[1]
+
+
+def test_save_refuses_to_overwrite_its_source(tiny_checkpoint, tmp_path):
+    source = tmp_path / "model.pth"
+    source.write_bytes(tiny_checkpoint.read_bytes())
+    with pytest.raises(ValueError, match="would destroy the input"):
+        prune_checkpoint(source, calibration_set(), "magnitude", "2:4", source)
+    assert source.read_bytes() == tiny_checkpoint.read_bytes()
 
 
 @pytest.fixture(scope="module")
@@ -329,14 +414,14 @@ def test_cli_reads_the_checkpoint_once(calib, checkpoints_with_tokenizer, tmp_pa
     assert load_checkpoint(tmp_path / "pruned.pth")[2]["calibration"]["kind"] == calib
 
 
-def test_cli_rejects_a_generator_with_another_vocabulary(checkpoints_with_tokenizer, tiny_checkpoint, tmp_path):
+def test_cli_rejects_a_generator_with_another_vocabulary(checkpoints_with_tokenizer, tiny_checkpoint, tmp_path, capsys):
     target, _ = checkpoints_with_tokenizer
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("hello\n")
-    with pytest.raises(SystemExit) as exit_info:
-        main(["--checkpoint", str(target), "--generator", str(tiny_checkpoint), "--prompts", str(prompts),
-              "--tokens", "10", "--device", "cpu", "--out", str(tmp_path / "o.pth")])
-    assert "must share a tokenizer" in exit_info.value.code
+    assert_exits_with_one_line(lambda: main([
+        "--checkpoint", str(target), "--generator", str(tiny_checkpoint), "--prompts", str(prompts),
+        "--tokens", "10", "--device", "cpu", "--out", str(tmp_path / "o.pth")]), capsys, "prune: error:",
+        "must share a tokenizer")
 
 
 @pytest.mark.slow

@@ -1,0 +1,61 @@
+"""What every command line shares: argument types that refuse a bad value before anything is loaded,
+a parser whose usage errors are one line, and the one-line exit for bad input found later.
+
+A bad value is a usage error: one line on stderr naming the flag, exit code 2, the same code as a
+bad input file (a checkpoint or config that cannot be used), so a script can tell "you asked for
+something wrong" (2) from "it broke" (1).
+"""
+import argparse
+import math
+import sys
+
+USAGE_ERROR = 2
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (the usage text is what --help is for)."""
+
+    def error(self, message):
+        exit_with_error(f"{message} (see --help)", self.prog)
+
+
+def exit_with_error(message, prog=None):
+    """Print `[prog: ]error: <first line of message>` on stderr and exit with USAGE_ERROR."""
+    text = str(message).strip()
+    first = text.splitlines()[0] if text else "unknown error"
+    print(f"{prog + ': ' if prog else ''}error: {first}", file=sys.stderr)
+    raise SystemExit(USAGE_ERROR)
+
+
+def _number(text, kind):
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got '{text}'")
+    if kind is float and not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be finite, got '{text}'")
+    return value
+
+
+def _checked(kind, ok, requirement):
+    """An argparse type: text -> kind, refused with 'must be <requirement>' unless ok(value)."""
+    def parse(text):
+        value = _number(text, kind)
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {requirement}, got {text}")
+        return value
+    return parse
+
+
+positive_int = _checked(int, lambda v: v >= 1, "a positive integer")
+non_negative_int = _checked(int, lambda v: v >= 0, "0 or more")
+# 0 is greedy; a negative temperature would sample the least likely tokens.
+temperature = _checked(float, lambda v: v >= 0, ">= 0 (0 = greedy)")
+# Nucleus mass: at 0 nothing would be kept.
+top_p = _checked(float, lambda v: 0 < v <= 1, "in (0, 1]")
+_top_k_count = _checked(int, lambda v: v >= 1, ">= 1 or 'off'")
+
+
+def top_k(text):
+    """A positive count of tokens kept, or 'off' (None: no top-k cut)."""
+    return None if str(text).lower() in ("off", "none") else _top_k_count(text)

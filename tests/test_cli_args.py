@@ -1,0 +1,108 @@
+"""cli_args: the shared argument types, and every command line refusing a bad sampling value or
+budget while parsing, before it loads anything: exit code 2, the flag named on stderr's last line."""
+import argparse
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import cli_args
+
+
+@pytest.mark.parametrize("kind, text, value", [
+    (cli_args.positive_int, "3", 3), (cli_args.non_negative_int, "0", 0),
+    (cli_args.temperature, "0", 0.0), (cli_args.temperature, "1.3", 1.3), (cli_args.top_p, "1", 1.0),
+    (cli_args.top_p, "0.01", 0.01), (cli_args.top_k, "1", 1), (cli_args.top_k, "off", None), (cli_args.top_k, "None", None),
+])
+def test_types_accept_good_values(kind, text, value):
+    assert kind(text) == value
+
+
+@pytest.mark.parametrize("kind, text, message", [
+    (cli_args.positive_int, "0", "positive integer"), (cli_args.positive_int, "2.5", "expected an integer"),
+    (cli_args.non_negative_int, "-1", "0 or more"),
+    (cli_args.temperature, "inf", "finite"), (cli_args.temperature, "-1", ">= 0"),
+    (cli_args.temperature, "nan", "finite"), (cli_args.temperature, "warm", "expected a number"),
+    (cli_args.top_p, "0", "(0, 1]"), (cli_args.top_p, "1.01", "(0, 1]"), (cli_args.top_p, "nan", "finite"),
+    (cli_args.top_k, "0", ">= 1 or 'off'"), (cli_args.top_k, "-5", ">= 1 or 'off'"),
+])
+def test_types_refuse_bad_values_with_a_reason(kind, text, message):
+    with pytest.raises(argparse.ArgumentTypeError, match=message.replace("(", r"\(").replace("]", r"\]")):
+        kind(text)
+
+
+def test_parser_usage_error_is_one_line_and_exit_code_2(capsys):
+    parser = cli_args.ArgumentParser(prog="tool")
+    parser.add_argument("--top_k", type=cli_args.top_k)
+    with pytest.raises(SystemExit) as exit_info:
+        parser.parse_args(["--top_k", "0"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.splitlines() == ["tool: error: argument --top_k: must be >= 1 or 'off', got 0 (see --help)"]
+
+
+# (module, the arguments it needs to get past its own required flags, a bad flag and value)
+EVALUATION = [
+    ("evaluation.perplexity", ["--checkpoint", "m.pth"], "--seq_len", "0"),
+    ("evaluation.perplexity", ["--checkpoint", "m.pth"], "--max_tokens", "-1"),
+    ("evaluation.fidelity", ["--dense", "d.pth", "--pruned", "p.pth"], "--limit", "0"),
+    ("evaluation.fidelity", ["--dense", "d.pth", "--pruned", "p.pth"], "--max_new_tokens", "0"),
+    ("evaluation.fidelity", ["--dense", "d.pth", "--pruned", "p.pth"], "--batch_size", "0"),
+    ("evaluation.longbench_write", ["--checkpoint", "m.pth"], "--max_new_tokens", "-3"),
+    ("evaluation.longbench_write", ["--checkpoint", "m.pth"], "--limit", "0"),
+    ("evaluation.code_tasks", ["--task", "humaneval", "--checkpoint", "m.pth"], "--batch_size", "0"),
+    ("evaluation.code_tasks", ["--task", "humaneval", "--checkpoint", "m.pth"], "--max_new_tokens", "zero"),
+    ("evaluation.writingbench", ["--judge_url", "http://127.0.0.1:9", "--judge_model", "j", "--checkpoint", "m.pth"],
+     "--batch_size", "-1"),
+    ("evaluation.compare", ["--checkpoint", "d.pth", "--workdir", "w", "--out", "o.json"], "--tokens", "0"),
+    ("evaluation.compare", ["--checkpoint", "d.pth", "--workdir", "w", "--out", "o.json"], "--calib_batch_size", "0"),
+    ("evaluation.compare", ["--checkpoint", "d.pth", "--workdir", "w", "--out", "o.json"], "--c4_ppl_tokens", "-1"),
+    ("evaluation.compare", ["--checkpoint", "d.pth", "--workdir", "w", "--out", "o.json", "--prune_args"],
+     "--batch_tokens", "0"),
+    ("evaluation.diagnostics", ["activation", "--pruned", "p.pth", "--dense", "d.pth", "--out_dir", "o"],
+     "--max_new_tokens", "0"),
+]
+BENCHMARKS = [
+    ("scripts.bench_decode", [], "--temperature", "-1"),
+    ("scripts.bench_decode", [], "--top_k", "0"),
+    ("scripts.bench_decode", [], "--top_p", "0"),
+    ("scripts.bench_decode", [], "--batch_sizes", "1,0"),
+    ("scripts.bench_decode", [], "--new_tokens", "0"),
+    ("scripts.bench_prune", ["--no_write"], "--tokens", "0"),
+    ("scripts.bench_prune", ["--no_write"], "--max_new_tokens", "-1"),
+]
+
+
+@pytest.mark.parametrize("module, required, flag, value", EVALUATION + BENCHMARKS)
+def test_every_cli_refuses_a_bad_budget_or_sampling_value_before_loading(module, required, flag, value, monkeypatch,
+                                                                         capsys):
+    import evaluation.generation
+    import generate
+
+    def loaded(*args, **kwargs):
+        pytest.fail("loaded a model before checking its arguments")
+
+    for owner, name in ((evaluation.generation, "load_model"), (evaluation.generation, "load_model_and_tokenizer"),
+                        (generate, "load_model")):
+        monkeypatch.setattr(owner, name, loaded)
+    main = importlib.import_module(module).main
+    argv = [*required, flag, value]
+    monkeypatch.setattr("sys.argv", [module, *argv])
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv) if module.startswith("scripts.") else main()
+    assert exit_info.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"error: argument {flag}:" in last, last
+
+
+def test_evaluation_bad_input_found_while_running_is_one_line_and_exit_code_2(tmp_path):
+    """A bad file found after parsing (here random bytes named .pth) is still one line and exit code 2."""
+    (tmp_path / "random.pth").write_bytes(bytes(range(256)) * 64)
+    (tmp_path / "text.txt").write_text("some text to score\n")
+    done = subprocess.run([sys.executable, "-m", "evaluation.perplexity", "--checkpoint", str(tmp_path / "random.pth"),
+                           "--data", str(tmp_path / "text.txt")], capture_output=True, text=True,
+                          cwd=Path(cli_args.__file__).parent)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        f"error: not a checkpoint: {tmp_path / 'random.pth'} (not a torch zip archive, or a truncated one)"]
