@@ -56,6 +56,18 @@ ARGMAX_CHUNKS = 64
 def load_model(checkpoint_path, device="cuda", dtype=torch.bfloat16) -> Transformer:
     """A ready-to-run Transformer, dense or packed-sparse depending on the checkpoint's metadata."""
     state_dict, config, metadata = load_checkpoint(checkpoint_path)
+    model = model_from_state_dict(state_dict, config, metadata, checkpoint_path)
+    # Module.to(dtype) casts floating-point tensors only, so sparse bitmasks stay int32.
+    model = model.to(device=device, dtype=dtype).eval()
+    if model.tok_embeddings.weight.is_cuda:
+        install_decode_attention(model)
+    return model
+
+
+def model_from_state_dict(state_dict: dict, config, metadata: dict, source="checkpoint") -> Transformer:
+    """The Transformer of a loaded checkpoint, on the tensors as they are (no copy, no cast: a
+    memory-mapped checkpoint stays mapped): packed layers become SparseLinear after their masks are
+    validated, tied embeddings are shared. `source` names the checkpoint in errors."""
     with torch.device("meta"):  # no memory is touched until load_state_dict hands over the tensors
         model = Transformer(config)
     sparsity = metadata.get("sparsity") or {}
@@ -72,26 +84,22 @@ def load_model(checkpoint_path, device="cuda", dtype=torch.bfloat16) -> Transfor
                     values = state_dict[f"{layer}.values"] = sparse.format.values_from_v1(values, mask)
                 sparse.validate(values, mask, sparsity["pattern"])  # every mask keeps its pattern exactly
             except ValueError as e:
-                raise CheckpointError(f"checkpoint {checkpoint_path}, layer {layer}: {e}") from None
+                raise CheckpointError(f"checkpoint {source}, layer {layer}: {e}") from None
         sparse.swap_linears_for_state_dict(model, state_dict, sparsity["pattern"])
     elif sparsity.get("format") not in (None, "dense-zeros"):
-        raise CheckpointError(f"checkpoint {checkpoint_path} has unknown sparsity format '{sparsity.get('format')}'")
+        raise CheckpointError(f"checkpoint {source} has unknown sparsity format '{sparsity.get('format')}'")
     if config.tie_embeddings:  # a tied checkpoint may store the shared matrix once
         state_dict = dict(state_dict)
         state_dict.setdefault("output.weight", state_dict.get("tok_embeddings.weight"))
     expected, found = set(model.state_dict()), {k for k, v in state_dict.items() if v is not None}
     if expected != found:
         missing, unexpected = sorted(expected - found), sorted(found - expected)
-        raise CheckpointError(f"checkpoint {checkpoint_path} does not match its config: "
+        raise CheckpointError(f"checkpoint {source} does not match its config: "
                               f"missing {missing[:3]}{'...' if len(missing) > 3 else ''}, "
                               f"unexpected {unexpected[:3]}{'...' if len(unexpected) > 3 else ''}")
     model.load_state_dict(state_dict, assign=True)
     if config.tie_embeddings:  # assign=True replaced the two parameters separately; share them again
         model.output.weight = model.tok_embeddings.weight
-    # Module.to(dtype) casts floating-point tensors only, so sparse bitmasks stay int32.
-    model = model.to(device=device, dtype=dtype).eval()
-    if model.tok_embeddings.weight.is_cuda:
-        install_decode_attention(model)
     return model
 
 

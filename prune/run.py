@@ -52,6 +52,7 @@ from tqdm import tqdm
 
 import cli_args
 from checkpoint import CheckpointError, load_checkpoint, same_file, save_checkpoint
+from generate import model_from_state_dict
 from model import ModelArgs, Transformer, precompute_rope
 from prune.calibration import (CalibrationError, CalibrationSet, InputStatistics, decode_calibration,
                                download_c4_shard, read_prompts, text_windows)
@@ -96,24 +97,14 @@ class Source:
 
 
 def read_source(checkpoint) -> Source:
-    """Read a dense checkpoint to prune: the one read of it in a run. Not generate.load_model, which
-    casts to one dtype and drops the metadata: the pruned checkpoint keeps the source's dtype and
-    inherits its metadata, and the weights stay memory-mapped until their block is pruned."""
+    """Read a dense checkpoint to prune: the one read of it in a run. The model keeps the stored
+    dtype and stays memory-mapped until each block is pruned (generate.load_model would cast and
+    move it), and the pruned checkpoint inherits the source's metadata."""
     state_dict, config, metadata = load_checkpoint(checkpoint, mmap=True)
     if "sparsity" in metadata:
         raise CheckpointError(f"{checkpoint} is already pruned ({metadata['sparsity'].get('pattern')}); "
                               f"prune the dense source checkpoint")
-    if config.tie_embeddings:  # a tied checkpoint may store the shared matrix once
-        state_dict = {"output.weight": state_dict.get("tok_embeddings.weight"), **state_dict}
-    with torch.device("meta"):
-        model = Transformer(config)
-    missing, unexpected = model.load_state_dict(state_dict, strict=False, assign=True)
-    if missing or unexpected:
-        raise CheckpointError(f"{checkpoint} does not match its config: missing {missing[:3]}, "
-                              f"unexpected {unexpected[:3]}")
-    if config.tie_embeddings:  # assign=True set the two parameters separately
-        model.output.weight = model.tok_embeddings.weight
-    return Source(Path(checkpoint), model, metadata)
+    return Source(Path(checkpoint), model_from_state_dict(state_dict, config, metadata, checkpoint), metadata)
 
 
 def selected_linears(model, pattern: str, include, exclude) -> list:
