@@ -132,8 +132,8 @@ def score_replies(tasks: list[CodeTask], replies: list[str], timeout: float = 10
     programs = [task.build_program(extract_code(reply)) + success_line(marker)
                 for task, reply, marker in zip(tasks, replies, markers, strict=True)]
     with ThreadPoolExecutor(max_workers=workers) as pool:  # each worker only waits on its subprocess
-        results = list(tqdm(pool.map(lambda p, m: run_program(p, timeout, memory_mb, success_marker=m), programs, markers),
-                            total=len(programs), desc="running tests", leave=False))
+        runs = pool.map(lambda p, m: run_program(p, timeout, memory_mb, success_marker=m), programs, markers)
+        results = list(tqdm(runs, total=len(programs), desc="running tests", leave=False))
     per_task = [{"task_id": t.task_id, "status": r.status, "error": r.stderr.strip().splitlines()[-1:]}
                 for t, r in zip(tasks, results)]
     passed = sum(r.passed for r in results)

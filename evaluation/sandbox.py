@@ -100,7 +100,8 @@ def run_program(source: str, timeout: float = 10.0, memory_mb: int = 1024, max_f
                                        stderr=subprocess.PIPE, pass_fds=(status_w,), start_new_session=True)
         except FileNotFoundError:
             os.close(status_r)
-            raise SandboxUnavailable("evaluation.sandbox needs util-linux `unshare` (apt-get install util-linux)") from None
+            raise SandboxUnavailable("evaluation.sandbox needs util-linux `unshare` "
+                                     "(apt-get install util-linux)") from None
         finally:
             os.close(status_w)
         try:

@@ -120,9 +120,8 @@ def test_fork_storm_is_bounded():
 
 def test_no_writes_outside_its_temporary_folder():
     targets = [Path(f"/tmp/sandbox-outside-{uuid.uuid4().hex}"), REPO / f"sandbox-outside-{uuid.uuid4().hex}"]
-    program = "import os\n" + "".join(
-        f"try:\n    open({str(t)!r}, 'w').write('x')\n    print('wrote', {str(t)!r})\nexcept OSError as e:\n    print('refused', e.errno)\n"
-        for t in targets)
+    attempt = "try:\n    open({0!r}, 'w').write('x')\n    print('wrote', {0!r})\nexcept OSError as e:\n    print('refused', e.errno)\n"
+    program = "".join(attempt.format(str(t)) for t in targets)
     try:
         result = run_program(program)
         assert "wrote" not in result.stdout and result.stdout.count("refused") == 2, result
