@@ -3,8 +3,10 @@
 A harness needs only `generate_fn(prompts: list[str]) -> list[str]` (the model's replies), so it runs
 against any model, or a fake one in tests. Each reply becomes a program (code extracted from a
 ```python block when there is one, else the raw reply as a completion), the benchmark's tests are
-appended, and the program runs in evaluation.sandbox - never in this process. A task passes when
-its program exits 0.
+appended, and the program runs in evaluation.sandbox - never in this process. After the tests the
+program prints a random token made for that run (the success marker); a task passes only when the
+marker is stdout's last line and the program exits 0, so a reply that exits early (sys.exit(0),
+os._exit(0), raise SystemExit) before the tests ran fails.
 
 CLI:
   python -m evaluation.code_tasks --task humaneval --checkpoint model.pth --limit 20 --out he.json
@@ -13,6 +15,7 @@ CLI:
 import argparse
 import ast
 import re
+import secrets
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
@@ -32,7 +35,8 @@ class CodeTask:
     task_id: str
     prompt: str  # what the model is asked
     canonical: str  # the reference solution, in the form a model reply would take
-    build_program: Callable[[str], str]  # code extracted from a reply -> program that exits 0 iff the tests pass
+    build_program: Callable[[str], str]  # code extracted from a reply -> program that runs the tests and
+    # raises (exits non-zero) when one fails; score_replies appends the success marker after it
 
 
 FENCED_BLOCK = re.compile(r"```[ \t]*(?:python|py|Python)?[ \t]*\n(.*?)(?:```|$)", re.DOTALL)
@@ -100,7 +104,8 @@ def classeval_tasks(path=None) -> list[CodeTask]:
         if isinstance(statements, str):
             statements = ast.literal_eval(statements)
         imports = "\n".join(statements)  # a reply may drop the skeleton's imports
-        tests = f"\n\n{row['test']}\n\nif __name__ == '__main__':\n    unittest.main()\n"
+        tests = (f"\n\n{row['test']}\n\nif not unittest.main(exit=False).result.wasSuccessful():\n"
+                 "    raise SystemExit(1)\n")
         ask = (f"Please complete the class {row['class_name']} in the following code. Reply with the whole "
                f"class in a ```python code block.\n\n```python\n{row['skeleton']}\n```")
         tasks.append(CodeTask(row["task_id"], ask, row["solution_code"],
@@ -111,13 +116,24 @@ def classeval_tasks(path=None) -> list[CodeTask]:
 TASKS = {"humaneval": humaneval_tasks, "mbpp": mbpp_tasks, "classeval": classeval_tasks}
 
 
+def success_line(marker: str) -> str:
+    """Appended after the tests: prints `marker` as stdout's last line (buffered output first; os.write,
+    so a reply that rebinds print or sys.stdout cannot swallow it)."""
+    return ("\n\nimport os as _sandbox_os, sys as _sandbox_sys\n"
+            "for _sandbox_stream in (_sandbox_sys.stdout, _sandbox_sys.__stdout__):\n"
+            "    try:\n        _sandbox_stream.flush()\n    except Exception:\n        pass\n"
+            f"_sandbox_os.write(1, b'\\n{marker}\\n')\n")
+
+
 def score_replies(tasks: list[CodeTask], replies: list[str], timeout: float = 10.0, memory_mb: int = 1024,
                   workers: int = 2) -> dict:
     """Run each reply's program in the sandbox; returns pass@1 and per-task statuses."""
-    programs = [task.build_program(extract_code(reply)) for task, reply in zip(tasks, replies, strict=True)]
+    markers = [secrets.token_hex(16) for _ in tasks]
+    programs = [task.build_program(extract_code(reply)) + success_line(marker)
+                for task, reply, marker in zip(tasks, replies, markers, strict=True)]
     with ThreadPoolExecutor(max_workers=workers) as pool:  # each worker only waits on its subprocess
-        results = list(tqdm(pool.map(lambda p: run_program(p, timeout, memory_mb), programs),
-                            total=len(programs), desc="running tests", leave=False))
+        runs = pool.map(lambda p, m: run_program(p, timeout, memory_mb, success_marker=m), programs, markers)
+        results = list(tqdm(runs, total=len(programs), desc="running tests", leave=False))
     per_task = [{"task_id": t.task_id, "status": r.status, "error": r.stderr.strip().splitlines()[-1:]}
                 for t, r in zip(tasks, results)]
     passed = sum(r.passed for r in results)

@@ -70,3 +70,23 @@ def test_extract_code_prefers_the_longest_fenced_block_and_tolerates_an_unclosed
     assert extract_code("x\n```python\na = 1\n```\ny\n```\nlonger = 2\n```") == "longer = 2\n"
     assert extract_code("```python\ndef f():\n    return 1") == "def f():\n    return 1"
     assert extract_code("    return 1\nprint(f())") == "    return 1"
+
+
+EARLY_EXITS = ["import sys\nsys.exit(0)", "import os\nos._exit(0)", "raise SystemExit"]
+
+
+@pytest.mark.parametrize("exit_call", EARLY_EXITS)
+@pytest.mark.parametrize("name", ["humaneval", "mbpp", "classeval"])
+def test_a_reply_that_exits_before_the_tests_fails(name, exit_call):
+    task = first_tasks(name, 1)[0]
+    # The reference solution followed by an exit: the tests never run, so the task must not pass.
+    reply = f"```python\n{task.canonical}\n{exit_call}\n```"
+    result = score_replies([task], [reply])
+    assert result["passed"] == 0, result["tasks"]
+    assert score_replies([task], [f"```python\n{task.canonical}\n```"])["passed"] == 1
+
+
+def test_a_reply_that_rebinds_print_still_reaches_the_marker():
+    task = first_tasks("mbpp", 1)[0]
+    reply = f"```python\n{task.canonical}\nprint = None\nimport sys\nprint_later = sys.stdout.write('no newline')\n```"
+    assert score_replies([task], [reply])["passed"] == 1
