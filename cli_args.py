@@ -7,6 +7,7 @@ something wrong" (2) from "it broke" (1).
 """
 import argparse
 import math
+import re
 import sys
 
 USAGE_ERROR = 2
@@ -48,6 +49,7 @@ def _checked(kind, ok, requirement):
 
 
 positive_int = _checked(int, lambda v: v >= 1, "a positive integer")
+positive_float = _checked(float, lambda v: v > 0, "> 0")
 non_negative_int = _checked(int, lambda v: v >= 0, "0 or more")
 # 0 is greedy; a negative temperature would sample the least likely tokens.
 temperature = _checked(float, lambda v: v >= 0, ">= 0 (0 = greedy)")
@@ -59,3 +61,18 @@ _top_k_count = _checked(int, lambda v: v >= 1, ">= 1 or 'off'")
 def top_k(text):
     """A positive count of tokens kept, or 'off' (None: no top-k cut)."""
     return None if str(text).lower() in ("off", "none") else _top_k_count(text)
+
+
+def device(text):
+    """'cpu', 'cuda' or 'cuda:N', refused unless this machine has that device (not a traceback later)."""
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", text):
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got '{text}'")
+    if text.startswith("cuda"):
+        import torch
+
+        index = int(text.partition(":")[2] or 0)
+        if not torch.cuda.is_available():
+            raise argparse.ArgumentTypeError(f"{text}: this machine has no CUDA device (use --device cpu)")
+        if index >= torch.cuda.device_count():
+            raise argparse.ArgumentTypeError(f"{text}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return text

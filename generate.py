@@ -490,7 +490,7 @@ def parse_args(argv=None):
     p.add_argument("--interactive", action="store_true", help="multi-turn chat in the terminal")
     p.add_argument("--compile", action="store_true", help="CUDA-graph the decode step (torch.compile)")
     p.add_argument("--compile_prefill", action="store_true", help="also compile the prefill (dynamic shapes)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", type=cli_args.device, default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
                    help="default: bfloat16 on CUDA, float32 on CPU")
     return p.parse_args(argv)

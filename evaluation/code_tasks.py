@@ -12,7 +12,6 @@ CLI:
   python -m evaluation.code_tasks --task humaneval --checkpoint model.pth --limit 20 --out he.json
   python -m evaluation.code_tasks --task classeval --canonical   # check the harness on the reference solutions
 """
-import argparse
 import ast
 import re
 import secrets
@@ -22,6 +21,7 @@ from typing import Callable
 
 from tqdm import tqdm
 
+import cli_args
 from evaluation.data import data_path, read_jsonl
 from evaluation.generation import add_generation_args, load_generate_fn, run_cli
 from evaluation.sandbox import run_program
@@ -150,11 +150,11 @@ def evaluate(task_name: str, generate_fn: Callable[[list[str]], list[str]], limi
 
 
 def main():
-    parser = argparse.ArgumentParser(description="pass@1 (greedy) on HumanEval, MBPP or ClassEval.")
+    parser = cli_args.ArgumentParser(description="pass@1 (greedy) on HumanEval, MBPP or ClassEval.")
     parser.add_argument("--task", choices=sorted(TASKS), required=True)
     parser.add_argument("--canonical", action="store_true", help="score the reference solutions instead of a model")
-    parser.add_argument("--timeout", type=float, default=10.0, help="seconds per program")
-    parser.add_argument("--memory_mb", type=int, default=1024, help="memory limit per program")
+    parser.add_argument("--timeout", type=cli_args.positive_float, default=10.0, help="seconds per program")
+    parser.add_argument("--memory_mb", type=cli_args.positive_int, default=1024, help="memory limit per program")
     add_generation_args(parser, max_new_tokens=512, batch_size=8)
     args = parser.parse_args()
     if args.canonical == bool(args.checkpoint):

@@ -345,7 +345,7 @@ def main():
     parser.add_argument("--task_limit", type=cli_args.positive_int, default=20)
     parser.add_argument("--task_max_new_tokens", type=cli_args.positive_int, default=384)
     parser.add_argument("--batch_size", type=cli_args.positive_int, default=8)
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", type=cli_args.device, default="cpu")
     parser.add_argument("--existing_only", action="store_true",
                         help="tabulate what exists: cells whose pruned checkpoint is in --workdir, task scores "
                              "already measured")

@@ -236,7 +236,7 @@ def main():
     for p in (act, hes):
         p.add_argument("--dense", required=True)
         p.add_argument("--max_new_tokens", type=cli_args.positive_int, default=128)
-        p.add_argument("--device", default="cpu")
+        p.add_argument("--device", type=cli_args.device, default="cpu")
         p.add_argument("--out_dir", required=True)
     args = parser.parse_args()
     out_dir = Path(args.out_dir)

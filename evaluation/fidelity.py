@@ -102,7 +102,7 @@ def main():
     parser.add_argument("--limit", type=cli_args.positive_int, default=20)
     parser.add_argument("--max_new_tokens", type=cli_args.positive_int, default=256)
     parser.add_argument("--batch_size", type=cli_args.positive_int, default=8)
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", type=cli_args.device, default="cpu")
     parser.add_argument("--out")
     args = parser.parse_args()
 

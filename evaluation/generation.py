@@ -78,7 +78,7 @@ def add_generation_args(parser: argparse.ArgumentParser, max_new_tokens: int, ba
     parser.add_argument("--limit", type=cli_args.positive_int, help="first N items only")
     parser.add_argument("--max_new_tokens", type=cli_args.positive_int, default=max_new_tokens)
     parser.add_argument("--batch_size", type=cli_args.positive_int, default=batch_size)
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", type=cli_args.device, default="cpu")
     parser.add_argument("--out", help="write detailed results as JSON")
 
 

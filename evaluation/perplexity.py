@@ -85,7 +85,7 @@ def main():
     parser.add_argument("--hub", help="hub dataset file instead of --data: owner/name:path/in/repo")
     parser.add_argument("--seq_len", type=cli_args.positive_int, default=2048)
     parser.add_argument("--max_tokens", type=cli_args.positive_int, help="score only the first N tokens")
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", type=cli_args.device, default="cpu")
     parser.add_argument("--out", help="write the result as JSON")
     args = parser.parse_args()
 

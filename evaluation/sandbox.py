@@ -38,7 +38,6 @@ accidental early exits, not a hostile program. Timing: about 0.1 s of overhead p
 
 CLI: python -m evaluation.sandbox program.py [--timeout 10] [--memory_mb 1024]
 """
-import argparse
 import json
 import os
 import re
@@ -322,10 +321,12 @@ def main():
         except Exception as e:  # noqa: BLE001 - one line for the parent's SandboxUnavailable
             print(f"sandbox setup failed: {e}", file=sys.stderr)
             os._exit(125)
-    parser = argparse.ArgumentParser(description="Run a Python file in the evaluation sandbox.")
+    import cli_args  # not at the top: the init above runs this file without the repository on sys.path
+
+    parser = cli_args.ArgumentParser(description="Run a Python file in the evaluation sandbox.")
     parser.add_argument("program", help="Python source file to run")
-    parser.add_argument("--timeout", type=float, default=10.0, help="wall-clock seconds")
-    parser.add_argument("--memory_mb", type=int, default=1024, help="address-space limit")
+    parser.add_argument("--timeout", type=cli_args.positive_float, default=10.0, help="wall-clock seconds")
+    parser.add_argument("--memory_mb", type=cli_args.positive_int, default=1024, help="address-space limit")
     args = parser.parse_args()
     try:
         with open(args.program, encoding="utf-8") as f:

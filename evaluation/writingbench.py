@@ -20,7 +20,6 @@ within --judge_timeout seconds of wall-clock time, however slowly the server sen
 CLI: python -m evaluation.writingbench --checkpoint model.pth --judge_url http://127.0.0.1:8000/v1
          --judge_model NAME [--limit 10] [--max_new_tokens 1024] [--judge_timeout 120] [--out wb.json]
 """
-import argparse
 import http.client
 import json
 import os
@@ -34,6 +33,7 @@ from typing import Callable
 
 from tqdm import tqdm
 
+import cli_args
 from evaluation.data import data_path, read_jsonl
 from evaluation.generation import add_generation_args, load_generate_fn, run_cli
 
@@ -324,7 +324,7 @@ def summary(result: dict) -> str:
 
 
 def main():
-    parser = argparse.ArgumentParser(description="WritingBench with an OpenAI-compatible LLM judge.")
+    parser = cli_args.ArgumentParser(description="WritingBench with an OpenAI-compatible LLM judge.")
     parser.add_argument("--judge_url", required=True, help="base URL of an OpenAI-compatible API")
     parser.add_argument("--judge_model", required=True)
     parser.add_argument("--judge_api_key_env", default="JUDGE_API_KEY",

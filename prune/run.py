@@ -441,7 +441,7 @@ def parse_args(argv):
     p.add_argument("--out", required=True, help="output checkpoint (.pth), written atomically")
     p.add_argument("--generator", help="checkpoint that generates the calibration text (same tokenizer); default: the pruned model")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", type=cli_args.device, default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--max_new_tokens", type=cli_args.positive_int, default=512)
     p.add_argument("--batch_size", type=cli_args.positive_int, help="prompts generated at once (default: 128 on CUDA, where the decode "
                    "is memory-bound and a batch costs about what one row does; 16 on the CPU)")

@@ -196,7 +196,7 @@ def parse_args(argv=None):
     p.add_argument("--pattern", default="2:4")
     p.add_argument("--one-shot", "--one_shot", dest="one_shot", action="store_true")
     p.add_argument("--batch_tokens", type=cli_args.positive_int, default=8192, help="tokens per replay batch")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", type=cli_args.device, default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--no_compile", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, help="packed checkpoint to write")

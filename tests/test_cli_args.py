@@ -33,6 +33,27 @@ def test_types_refuse_bad_values_with_a_reason(kind, text, message):
         kind(text)
 
 
+@pytest.mark.parametrize("text, message", [("gpu", "expected cpu, cuda or cuda:N"), ("cuda:x", "expected cpu"),
+                                           ("cuda", "no CUDA device"), ("cuda:7", "no CUDA device")])
+def test_device_is_refused_unless_this_machine_has_it(text, message, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli_args.device("cpu") == "cpu"
+    with pytest.raises(argparse.ArgumentTypeError, match=message):
+        cli_args.device(text)
+
+
+def test_device_index_beyond_the_machines_gpus_is_refused(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert cli_args.device("cuda:1") == "cuda:1"
+    with pytest.raises(argparse.ArgumentTypeError, match="has 2 CUDA device"):
+        cli_args.device("cuda:2")
+
+
 def test_parser_usage_error_is_one_line_and_exit_code_2(capsys):
     parser = cli_args.ArgumentParser(prog="tool")
     parser.add_argument("--top_k", type=cli_args.top_k)
@@ -53,6 +74,10 @@ EVALUATION = [
     ("evaluation.longbench_write", ["--checkpoint", "m.pth"], "--limit", "0"),
     ("evaluation.code_tasks", ["--task", "humaneval", "--checkpoint", "m.pth"], "--batch_size", "0"),
     ("evaluation.code_tasks", ["--task", "humaneval", "--checkpoint", "m.pth"], "--max_new_tokens", "zero"),
+    ("evaluation.code_tasks", ["--task", "humaneval", "--checkpoint", "m.pth"], "--timeout", "0"),
+    ("evaluation.code_tasks", ["--task", "humaneval", "--checkpoint", "m.pth"], "--memory_mb", "-1"),
+    ("evaluation.perplexity", ["--checkpoint", "m.pth"], "--device", "gpu"),
+    ("evaluation.compare", ["--checkpoint", "d.pth", "--workdir", "w", "--out", "o.json"], "--device", "tpu"),
     ("evaluation.writingbench", ["--judge_url", "http://127.0.0.1:9", "--judge_model", "j", "--checkpoint", "m.pth"],
      "--batch_size", "-1"),
     ("evaluation.compare", ["--checkpoint", "d.pth", "--workdir", "w", "--out", "o.json"], "--tokens", "0"),
@@ -71,6 +96,7 @@ BENCHMARKS = [
     ("scripts.bench_decode", [], "--new_tokens", "0"),
     ("scripts.bench_prune", ["--no_write"], "--tokens", "0"),
     ("scripts.bench_prune", ["--no_write"], "--max_new_tokens", "-1"),
+    ("scripts.bench_prune", ["--no_write"], "--device", "cuda:x"),
 ]
 
 

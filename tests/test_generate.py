@@ -391,7 +391,7 @@ def test_cli_corrupt_checkpoint(tmp_path):
     ("--top_p", "0", "must be in (0, 1]"), ("--top_p", "-0.5", "must be in (0, 1]"),
     ("--top_k", "0", "must be >= 1 or 'off'"), ("--top_k", "-3", "must be >= 1 or 'off'"),
     ("--max_new_tokens", "0", "must be a positive integer"), ("--batch_size", "-1", "must be a positive integer"),
-    ("--num_samples", "0", "must be a positive integer"),
+    ("--num_samples", "0", "must be a positive integer"), ("--device", "gpu", "expected cpu, cuda or cuda:N"),
 ])
 def test_cli_refuses_bad_sampling_and_budgets_before_loading(flag, value, message, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(generate, "load_model", lambda *args: pytest.fail("loaded the checkpoint"))

@@ -268,7 +268,7 @@ def test_cli_error_has_no_traceback(tmp_path):
     ("--top_k", "many", "expected an integer"), ("--tokens", "-5", "must be a positive integer"),
     ("--max_new_tokens", "0", "must be a positive integer"), ("--batch_size", "0", "must be a positive integer"),
     ("--batch_tokens", "0", "must be a positive integer"), ("--seq_len", "0", "must be a positive integer"),
-    ("--max_new_tokens", "1", "--max_new_tokens >= 2"),
+    ("--max_new_tokens", "1", "--max_new_tokens >= 2"), ("--device", "gpu", "expected cpu, cuda or cuda:N"),
 ])
 def test_cli_refuses_bad_sampling_and_budgets_before_reading_anything(flag, value, message, tmp_path, monkeypatch,
                                                                        capsys):
