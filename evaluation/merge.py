@@ -14,11 +14,10 @@ calibration, seed) found in two files must hold the same metrics in both: two di
 one name mean two pruning rules were mixed (e.g. decode positions only and decode + first position,
 whose C4 cells are the same checkpoint).
 """
-import argparse
 import json
-import sys
 from pathlib import Path
 
+import cli_args
 from evaluation.compare import print_summary, write_outputs
 
 SHARED = ("evaluation", "calibration_tokens", "dense")  # what every merged file must agree on
@@ -53,7 +52,7 @@ def merge(results: list, names: list) -> dict:
 
 
 def main():
-    parser = argparse.ArgumentParser(description="Pool evaluation.compare results files into one table and plot.")
+    parser = cli_args.ArgumentParser(description="Pool evaluation.compare results files into one table and plot.")
     parser.add_argument("files", nargs="+", type=Path, help="results JSONs written by evaluation.compare")
     parser.add_argument("--out", type=Path, required=True, help="merged results JSON")
     parser.add_argument("--table", type=Path, help="markdown table")
@@ -64,15 +63,15 @@ def main():
         try:
             results.append(json.loads(path.read_text()))
         except (OSError, json.JSONDecodeError) as e:
-            sys.exit(f"error: cannot read results file {path}: {e}")
+            cli_args.exit_with_error(f"cannot read results file {path}: {e}")
         if not isinstance(results[-1], dict) or "runs" not in results[-1]:
-            sys.exit(f"error: {path} is not a results file of evaluation.compare (no 'runs')")
+            cli_args.exit_with_error(f"{path} is not a results file of evaluation.compare (no 'runs')")
     try:
         merged = merge(results, args.files)
     except ValueError as e:
-        sys.exit(f"error: {e}")
+        cli_args.exit_with_error(f"{e}")
     except KeyError as e:
-        sys.exit(f"error: a run in these results files has no field {e}")
+        cli_args.exit_with_error(f"a run in these results files has no field {e}")
     print_summary(write_outputs(merged, args.out, args.table, args.plot))
 
 

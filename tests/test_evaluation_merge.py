@@ -1,6 +1,7 @@
 """evaluation/merge.py: results files of single seeds pooled into the table compare would have
 written for the whole grid; files of different evaluations or pruning rules refused."""
 import json
+import re
 import statistics
 import sys
 
@@ -68,6 +69,8 @@ def test_cli_writes_the_merged_files_and_names_a_bad_input(tmp_path, monkeypatch
     (tmp_path / "broken.json").write_text("{not json")
     monkeypatch.setattr(sys, "argv", ["merge", str(paths[0]), str(tmp_path / "broken.json"), "--out",
                                       str(tmp_path / "never.json")])
-    with pytest.raises(SystemExit, match="cannot read results file .*broken.json"):
+    with pytest.raises(SystemExit) as exit_info:
         merge.main()
+    assert exit_info.value.code == 2
+    assert re.fullmatch(r"error: cannot read results file .*broken\.json: .*", capsys.readouterr().err.strip())
     assert not (tmp_path / "never.json").exists()
