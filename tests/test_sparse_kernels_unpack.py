@@ -23,17 +23,6 @@ def test_unpack_to_dense_matches_unpack(pattern):
     assert torch.equal(unpack_to_dense(values, mask, out=out), unpack(values, mask))
 
 
-@interpreted
-def test_unpack_to_dense_expands_a_range_of_rows():
-    # Rows 16..37 of a 37-row weight (a range that starts inside the weight and ends at its last
-    # row), and a refused range.
-    values, mask = random_packed(37, 160, "2:4", 4)
-    out = torch.full((21, 160), float("nan"))
-    assert torch.equal(unpack_to_dense(values, mask, out=out, rows=(16, 37)), unpack(values, mask)[16:37])
-    with pytest.raises(ValueError, match=r"rows 30\.\.40 are not inside the weight's 37"):
-        unpack_to_dense(values, mask, rows=(30, 40))
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("pattern", ["2:4", "16:32", "1:4", "1:8", "1:16", "1:32"])  # 16, 16, 8, 4, 2, 1 a word

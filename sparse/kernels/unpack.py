@@ -50,23 +50,17 @@ def unpack_kernel(values_ptr, mask_ptr, dense_ptr, n_rows, row_stride, n_words,
                      mask=row_ok[:, None])
 
 
-def unpack_to_dense(values: torch.Tensor, mask: torch.Tensor, out=None, config=None, rows=None) -> torch.Tensor:
+def unpack_to_dense(values: torch.Tensor, mask: torch.Tensor, out=None, config=None) -> torch.Tensor:
     """Dense (out, in) weight from (values, mask), on the device (graph-capturable).
 
     config: (rows, words) or (rows, words, warps) per program instead of the default.
-    rows: (first, end) to expand only those rows, into an (end - first, in) result.
     """
-    n_words, row_stride = mask.shape
-    first, end = rows or (0, row_stride)
-    if not 0 <= first < end <= row_stride:
-        raise ValueError(f"unpack_to_dense: rows {first}..{end} are not inside the weight's {row_stride}")
-    n_rows = end - first
+    n_words, n_rows = mask.shape
     chunks, _, chunk = values.shape
     nnz = chunks * chunk // n_words
     dense = torch.empty(n_rows, n_words * 32, dtype=values.dtype, device=values.device) if out is None else out
     block_rows, words_per_program, warps = (*config, 4)[:3] if config else ((16, 2, 4) if INTERPRETING else (64, 4, 4))
     grid = (triton.cdiv(n_rows, block_rows), triton.cdiv(n_words, words_per_program))
-    # The pointers start at row `first`: its offset inside each word's rows (row_stride apart).
-    unpack_kernel[grid](values[:, first:], mask[:, first:], dense, n_rows, row_stride, n_words, NNZ_PER_WORD=nnz,
+    unpack_kernel[grid](values, mask, dense, n_rows, n_rows, n_words, NNZ_PER_WORD=nnz,
                         CHUNK=chunk, BLOCK_ROWS=block_rows, WORDS_PER_PROGRAM=words_per_program, num_warps=warps)
     return dense
