@@ -23,6 +23,7 @@ import contextlib
 import functools
 import inspect
 import itertools
+import math
 import os
 import resource
 import sys
@@ -283,6 +284,16 @@ class GenerationResult:
     step_times_s: list = field(default_factory=list)  # each decode step's time (CUDA events on GPU)
 
 
+def check_sampling(temperature: float, top_k: Optional[int], top_p: Optional[float]):
+    """The same rules the CLIs enforce, for callers of the Python API: ValueError naming the argument."""
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {temperature}")
+    if top_k is not None and (isinstance(top_k, bool) or int(top_k) != top_k or top_k < 1):
+        raise ValueError(f"top_k must be an integer >= 1 or None (off), got {top_k}")
+    if top_p is not None and not (0 < top_p <= 1):
+        raise ValueError(f"top_p must be in (0, 1] or None (off), got {top_p}")
+
+
 @torch.no_grad()
 def generate(model: Transformer, prompts: Sequence[Tensor], max_new_tokens: int, *, temperature: float = 0.0,
              top_k: Optional[int] = None, top_p: Optional[float] = None, eos_ids=(), seed: Optional[int] = None,
@@ -302,6 +313,7 @@ def generate(model: Transformer, prompts: Sequence[Tensor], max_new_tokens: int,
         raise ValueError("generate() needs at least one prompt and no empty prompt")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    check_sampling(temperature, top_k, top_p)
     lengths = [len(p) for p in prompts]
     batch_size, prompt_width, context = len(prompts), max(lengths), model.config.block_size
     if prompt_width >= context:

@@ -8,11 +8,24 @@ Only what conversion needs is fetched: configs, safetensors weights and tokenize
 says so in one line; copy the model folder by other means and run convert_hf.py on it.
 """
 import argparse
+import re
 import shutil
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
+
+import cli_args  # noqa: E402
+
+REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def repo_id(text: str) -> str:
+    """An argparse type: the hub's owner/name form, refused before any request."""
+    if not REPO_ID.fullmatch(text) or ".." in text:
+        raise argparse.ArgumentTypeError(f"expected owner/name (e.g. Qwen/Qwen3-0.6B), got '{text}'")
+    return text
+
 
 ALLOW_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.jinja", "vocab.json", "merges.txt"]
 
@@ -40,8 +53,8 @@ def download(repo_id: str, out: Path, token=None, include_bin: bool = False) -> 
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repo_id", required=True, help="e.g. Qwen/Qwen3-0.6B")
+    parser = cli_args.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repo_id", type=repo_id, required=True, help="e.g. Qwen/Qwen3-0.6B")
     parser.add_argument("--out", type=Path, help="target folder (default: checkpoints/<repo_id>)")
     parser.add_argument("--hf_token", default=None, help="for gated or private repos")
     parser.add_argument("--bin", action="store_true", help="also fetch pytorch_model*.bin (repos without safetensors)")
@@ -52,7 +65,7 @@ def main(argv=None):
     try:
         download(args.repo_id, out, args.hf_token, args.bin)
     except RuntimeError as e:
-        sys.exit(f"error: {e}")
+        cli_args.exit_with_error(e, parser.prog)
     print(f"downloaded {args.repo_id} to {out}")
     if args.convert:
         from scripts.convert_hf import main as convert

@@ -15,6 +15,6 @@ def assert_one_line_error(done, *fragments):
     assert done.returncode != 0
     assert "Traceback" not in done.stderr
     last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: ")
+    assert last.startswith("error: ") or ": error: " in last, last
     for fragment in fragments:
         assert fragment in last, last

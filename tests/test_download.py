@@ -3,6 +3,8 @@ folder) it downloads and converts."""
 import os
 import shutil
 
+import pytest
+
 from checkpoint import load_checkpoint
 from script_testing import assert_one_line_error, run_script
 
@@ -12,7 +14,15 @@ def test_download_offline_says_what_to_do(tmp_path):
     done = run_script("download.py", "--repo_id", "HuggingFaceTB/SmolLM2-135M-Instruct", "--out", tmp_path / "dl",
                       env=env)
     assert_one_line_error(done, "cannot reach the Hugging Face hub", "convert_hf.py")
+    assert done.returncode == 2
     assert not (tmp_path / "dl").exists()
+
+
+@pytest.mark.parametrize("bad", ["llama", "org/", "/name", "org/na me", "org/../x", "a/b/c"])
+def test_download_refuses_a_malformed_repo_id_before_any_request(bad, tmp_path):
+    done = run_script("download.py", "--repo_id", bad, "--out", tmp_path / "dl")
+    assert_one_line_error(done, "argument --repo_id: expected owner/name")
+    assert done.returncode == 2 and not (tmp_path / "dl").exists()
 
 
 def test_download_then_convert(tiny_hf_folder, tmp_path, monkeypatch):

@@ -409,6 +409,21 @@ def test_cli_bad_argument_is_one_line_and_exit_code_2():
         "generate.py: error: argument --top_k: must be >= 1 or 'off', got 0 (see --help)"]
 
 
+@pytest.mark.parametrize("sampling, message", [
+    (dict(temperature=-1.0), "temperature must be finite and >= 0"),
+    (dict(temperature=float("nan")), "temperature must be finite and >= 0"),
+    (dict(temperature=0.8, top_k=0), "top_k must be an integer >= 1"),
+    (dict(temperature=0.8, top_k=2.5), "top_k must be an integer >= 1"),
+    (dict(temperature=0.8, top_p=0.0), "top_p must be in (0, 1]"),
+    (dict(temperature=0.8, top_p=1.5), "top_p must be in (0, 1]"),
+])
+def test_python_api_refuses_bad_sampling_before_any_step(sampling, message):
+    model = tiny_model()
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("]", r"\]")):
+        generate.generate(model, [random_prompt(4, 0)], 2, **sampling)
+    assert not hasattr(model.layers[0].attention, "kv_cache") or model.layers[0].attention.kv_cache is None
+
+
 def test_cli_top_k_off_means_no_top_k_cut():
     assert generate.parse_args(["--checkpoint", "m.pth", "--top_k", "off"]).top_k is None
 
