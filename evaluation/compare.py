@@ -426,6 +426,9 @@ def main():
     parser.add_argument("--plot", type=Path, help="PNG")
     parser.add_argument("--table", type=Path, help="markdown table")
     args = parser.parse_args()
+    if BASELINE in args.sources and args.tokens % args.calib_seq_len:
+        parser.error(f"--tokens {args.tokens} is not a multiple of --calib_seq_len {args.calib_seq_len}: the C4 windows "
+                     f"would count more tokens than the other sources")
     try:
         prune_options(args.prune_args)  # a bad flag stops the grid before any work
         results = run_grid(args)
