@@ -244,7 +244,8 @@ def assert_exits_with_one_line(run, capsys, prefix, message):
     assert len(lines) == 1 and lines[0].startswith(prefix) and message in lines[0], lines
 
 
-@pytest.mark.parametrize("argv", [["--calib", "decode"], ["--calib", "text", "--text", "t.txt", "--tokens", "0"],
+@pytest.mark.parametrize("argv", [["--calib", "decode"], ["--calib", "reference"], ["--calib", "generated"],
+                                  ["--calib", "text", "--text", "t.txt", "--tokens", "0"],
                                   ["--method", "obs"]])
 def test_cli_usage_errors(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
