@@ -55,7 +55,7 @@ from evaluation.data import data_path, prompt_rows, refuse_overlap, write_json_a
 from evaluation.generation import USER_ERRORS
 from prune import (CalibrationError, CalibrationSet, calibrate_by_decoding, prune_model, read_source,
                    text_windows)
-from prune.calibration import (DECODE_SOURCES, from_decode, prompt_digest, prompt_file_record, read_documents,
+from prune.calibration import (from_decode, mix_label, prompt_digest, prompt_file_record, read_documents,
                                read_prompt_rows, reference_calibration)
 from prune.run import add_pruning_args
 
@@ -265,22 +265,12 @@ def aggregate(runs: list[dict]) -> dict:
 
 
 def mix_labels(runs: list[dict]) -> dict:
-    """{(method, pattern, calib): "code 69% · writing 31%; prompt 0%"}: each domain's share of the
-    counted calibration tokens and the share at prompt positions, means over the seeds that recorded
-    a mix."""
+    """{(method, pattern, calib): prune.calibration.mix_label of the seeds that recorded a mix}."""
     groups = {}
     for run in runs:
         if run.get("calibration_mix"):
             groups.setdefault((run["method"], run["pattern"], run["calib"]), []).append(run["calibration_mix"])
-    labels = {}
-    for key, mixes in groups.items():
-        domains = sorted({d for mix in mixes for d in mix["domains"]})
-        share = {d: statistics.mean(mix["domains"].get(d, {"tokens": 0})["tokens"] / mix["counted_tokens"]
-                                    for mix in mixes) for d in domains}
-        prompt = statistics.mean(sum(e["prompt_tokens"] for e in mix["domains"].values()) / mix["counted_tokens"]
-                                 for mix in mixes)
-        labels[key] = " · ".join(f"{d} {share[d]:.0%}" for d in domains) + f"; prompt {prompt:.0%}"
-    return labels
+    return {key: mix_label(mixes) for key, mixes in groups.items()}
 
 
 def sources_in(table: dict) -> list[str]:

@@ -406,6 +406,17 @@ def from_decode(calibration: CalibrationSet, source: str, n_tokens: int) -> Cali
     raise ValueError(f"'{source}' is not made from generations (expected one of {', '.join(DECODE_SOURCES)})")
 
 
+def mix_label(mixes: list) -> str:
+    """'code 69% · writing 31%; prompt 0%': each domain's share of the counted tokens and the share
+    at prompt positions, of CalibrationSet.mix() records (means over several, e.g. seeds)."""
+    domains = sorted({d for mix in mixes for d in mix["domains"]})
+    share = {d: sum(mix["domains"].get(d, {"tokens": 0})["tokens"] / mix["counted_tokens"] for mix in mixes) / len(mixes)
+             for d in domains}
+    prompt = sum(sum(e["prompt_tokens"] for e in mix["domains"].values()) / mix["counted_tokens"]
+                 for mix in mixes) / len(mixes)
+    return " · ".join(f"{d} {share[d]:.0%}" for d in domains) + f"; prompt {prompt:.0%}"
+
+
 def prompt_file_record(path, rows: list) -> dict:
     """What a calibration records about its prompt file: where it was and each prompt's digest."""
     return dict(prompt_file=str(path), prompt_sha256=[prompt_digest(row["prompt"]) for row in rows])

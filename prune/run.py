@@ -55,7 +55,7 @@ from checkpoint import CheckpointError, load_checkpoint, same_file, save_checkpo
 from generate import model_from_state_dict
 from model import ModelArgs, Transformer, precompute_rope
 from prune.calibration import (DECODE_SOURCES, SOURCES, CalibrationError, CalibrationSet, InputStatistics,
-                               decode_calibration, download_c4_shard, from_decode, prompt_file_record,
+                               decode_calibration, download_c4_shard, from_decode, mix_label, prompt_file_record,
                                read_prompt_rows, reference_calibration, text_windows)
 from prune.magnitude import magnitude_prune
 from prune.sparsegpt import sparsegpt_prune
@@ -521,7 +521,8 @@ def main(argv=None):
     wall = time.perf_counter() - started
     timing = metadata["timing"]
     print(f"wrote {args.out}: {len(metadata['sparsity']['layers'])} linears {args.method} {args.pattern}, "
-          f"{metadata['calibration']['counted_tokens']} calibration tokens; "
+          f"{metadata['calibration']['counted_tokens']} calibration tokens "
+          f"({args.calib}: {mix_label([metadata['calibration']['mix']])}); "
           f"calibration {calibrated - started:.1f} s, pruning {timing['prune_seconds']:.1f} s (replay "
           f"{timing['replay_seconds']:.1f}, solve {timing['solve_seconds']:.1f}), wall {wall:.1f} s, "
           f"peak memory {timing['peak_memory_bytes'] / 2**30:.2f} GiB ({timing['device']})")
