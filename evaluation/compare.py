@@ -1,18 +1,31 @@
-"""The comparison runner: dense vs C4-calibrated vs decoding-aware-calibrated pruning, per backend and
-pattern, over seeds, on decode fidelity, perplexity and (optionally) task scores; a paper-style table
-and a plot.
+"""The comparison runner: dense vs pruned models calibrated on five sources, per backend and pattern,
+over seeds, on decode fidelity (writing, code and overall), perplexity and (optionally) task scores; a
+paper-style table and a plot.
 
-For every (method, pattern, calibration, seed) it prunes the dense checkpoint with prune's public
+Sources (--sources; every one counts the same --tokens budget, prune/calibration.py says how):
+  c4            teacher-forced C4 windows, every position (python -m prune --calib text);
+  decode        the dense model's own continuations of the calibration prompts, decode positions
+                only (the paper's rule);
+  decode_first  the same, plus each sequence's first position (the attention sink);
+  generated     the same generated sequences, every position counted, prompt included;
+  reference     teacher-forced calibration prompts with their human reference answers (MBPP's
+                solutions; the writing prompts have none, so their prompts alone).
+decode vs generated isolates the prompt-exclusion rule, decode vs reference self-generated vs human
+text, reference vs c4 the domain. Every table prints each cell's calibration mix (share of counted
+tokens per domain, and how many are prompt positions), also recorded in each checkpoint's metadata.
+
+For every (method, pattern, source, seed) it prunes the dense checkpoint with prune's public
 functions, as `python -m prune` would (skipped when the output already exists, so a run can be resumed
 or extended), then evaluates it; each checkpoint's metrics are cached as JSON next to it, and each
-decode calibration (the dense model's generations, shared by every backend and pattern at one seed)
-is cached in the workdir. Both calibrations get the same token budget: --tokens decode-step tokens
-for decoding-aware, --tokens text tokens for C4.
+decode calibration (the dense model's generations, shared by decode, decode_first and generated and by
+every backend and pattern at one seed) is cached in the workdir.
 
-Prompt split (nothing is evaluated on prompts it was calibrated on):
-  calibration (decode): LongBench-Write-en rows whose index is not a multiple of 3, then MBPP
-                        problem statements 601-974 (outside MBPP's test split);
-  held-out (fidelity):  LongBench-Write-en rows 0, 3, 6, ... and the first HumanEval prompts.
+Prompt split (nothing is evaluated on prompts it was calibrated on; checked before any work):
+  calibration:         LongBench-Write-en rows whose index is not a multiple of 3 (domain writing),
+                       then MBPP problems 601-974 (outside MBPP's test split; domain code, with
+                       their reference solutions);
+  held-out (fidelity): LongBench-Write-en rows 0, 3, 6, ... (writing) and the first HumanEval
+                       prompts (code); fidelity is reported per domain and overall.
 Perplexity is measured on WikiText-2 test and, with --c4_ppl_tokens, on held-out C4: the documents of
 c4_sample.jsonl (the C4 calibration source) that no text calibration of seeds 0-2 (and --seeds) at up
 to 32768 tokens (or --tokens) reads - in-distribution for the C4-calibrated cells, so it favours them.
@@ -20,7 +33,8 @@ Task scores (greedy): pass@1 on the first --task_limit HumanEval / MBPP-test / C
 LongBench-Write S_l on the first --task_limit held-out writing prompts.
 
 CLI: python -m evaluation.compare --checkpoint dense.pth --workdir runs/grid --seeds 0 1 2 --tokens 16384
-         [--methods sparsegpt wanda] [--patterns 2:4 8:16 50%] [--tasks humaneval mbpp longbench_write --task_limit 20]
+         [--methods sparsegpt wanda] [--patterns 2:4 8:16 50%] [--sources c4 decode decode_first generated reference]
+         [--tasks humaneval mbpp longbench_write --task_limit 20]
          --out docs/results.json --plot docs/results.png --table docs/results_table.md
 """
 import argparse
@@ -37,37 +51,29 @@ from tqdm import tqdm
 
 import cli_args
 from checkpoint import atomic_write
-from evaluation.data import data_path, read_jsonl, write_json_atomic
+from evaluation.data import data_path, prompt_rows, refuse_overlap, write_json_atomic, writing_rows
 from evaluation.generation import USER_ERRORS
 from prune import (CalibrationError, CalibrationSet, calibrate_by_decoding, prune_model, read_source,
                    text_windows)
-from prune.calibration import read_documents
+from prune.calibration import (from_decode, mix_label, prompt_digest, prompt_file_record, read_documents,
+                               read_prompt_rows, reference_calibration)
+from prune.run import add_pruning_args
 
-CALIBRATIONS = ("text", "decode")  # the C4 baseline, the paper's method
-CALIB_LABEL = {"text": "C4", "decode": "decode-aware"}
+SOURCES = ("c4", "decode", "decode_first", "generated", "reference")
+BASELINE = "c4"
+# "text" is the C4 source's name in results files written before the sources had their own names.
+SOURCE_LABEL = {"c4": "C4", "text": "C4", "decode": "decode-only", "decode_first": "decode + first",
+                "generated": "generated, all positions", "reference": "human reference"}
+DOMAINS = ("writing", "code")  # of the held-out prompts; fidelity is reported per domain and overall
 SPREAD_NOTE = {True: "", False: ", within seed spread", None: ", one seed (no spread)"}
-# (metric key, label, True if higher is better)
-METRICS = [("kl", "KL(dense||pruned)", False), ("top1_agreement", "top-1 agree", True),
-           ("tokens_to_divergence_mean", "tokens to diverge", True), ("wikitext2_ppl", "WikiText-2 PPL", False),
-           ("c4_ppl", "C4 PPL (held-out docs)", False)]
+# (metric key, label, True if higher is better); each fidelity metric also per domain (key_<domain>)
+FIDELITY_METRICS = [("kl", "KL(dense||pruned)", False), ("top1_agreement", "top-1 agree", True),
+                    ("tokens_to_divergence_mean", "tokens to diverge", True)]
+METRICS = [(f"{key}{suffix}", f"{label}{name}", higher) for key, label, higher in FIDELITY_METRICS
+           for suffix, name in [("", ""), *((f"_{d}", f" {d}") for d in DOMAINS)]] + \
+          [("wikitext2_ppl", "WikiText-2 PPL", False), ("c4_ppl", "C4 PPL (held-out docs)", False)]
 # Held-out C4 excludes every document that a text calibration at these seeds and budget could read.
 C4_EXCLUDED_SEEDS, C4_EXCLUDED_TOKENS = (0, 1, 2), 32768
-
-
-def writing_rows(heldout: bool) -> list[dict]:
-    """LongBench-Write-en rows ({"prompt", "length", ...}): every third one (0, 3, 6, ...) is held out,
-    the others are calibration prompts."""
-    rows = read_jsonl(data_path("longbench_write_en.jsonl"))
-    return [row for i, row in enumerate(rows) if (i % 3 == 0) == heldout]
-
-
-def prompt_split(n_writing_heldout: int = 20, n_code_heldout: int = 10) -> tuple[list[str], list[str]]:
-    """(calibration prompts, held-out prompts) as described in the module docstring."""
-    mbpp = [row["text"] for row in read_jsonl(data_path("mbpp.jsonl")) if row["task_id"] >= 601]
-    humaneval = [row["prompt"] for row in read_jsonl(data_path("HumanEval.jsonl.gz"))[:n_code_heldout]]
-    calibration = [row["prompt"] for row in writing_rows(heldout=False)] + mbpp
-    heldout = [row["prompt"] for row in writing_rows(heldout=True)][:n_writing_heldout] + humaneval
-    return calibration, heldout
 
 
 def c4_calibration_documents(tokenizer, documents: list[str], seeds, tokens: int, window_len: int) -> set[int]:
@@ -112,27 +118,27 @@ SAMPLING = dict(temperature=0.7, top_k=20, top_p=0.8)
 
 def prune_argv(args, method, pattern, calib, seed, calib_prompts: Path, out: Path) -> list[str]:
     """The `python -m prune` arguments that make the same checkpoint as one cell (written to its log)."""
-    source = ["--prompts", str(calib_prompts), "--max_new_tokens", str(args.calib_max_new_tokens),
-              "--batch_size", str(args.calib_batch_size)] if calib == "decode" \
-        else ["--text", str(data_path("c4_sample.jsonl")), "--seq_len", str(args.calib_seq_len)]
-    return ["--checkpoint", str(args.checkpoint), "--method", method, "--pattern", pattern, "--calib", calib, *source,
+    if calib == BASELINE:
+        source = ["--calib", "text", "--text", str(data_path("c4_sample.jsonl")), "--seq_len", str(args.calib_seq_len)]
+    elif calib == "reference":
+        source = ["--calib", calib, "--prompts", str(calib_prompts)]
+    else:
+        source = ["--calib", calib, "--prompts", str(calib_prompts), "--max_new_tokens", str(args.calib_max_new_tokens),
+                  "--batch_size", str(args.calib_batch_size)]
+    return ["--checkpoint", str(args.checkpoint), "--method", method, "--pattern", pattern, *source,
             "--tokens", str(args.tokens), "--seed", str(seed), "--device", args.device, "--out", str(out),
             *args.prune_args]
 
 
 def prune_options(prune_args: list[str]) -> dict:
-    """compare's --prune_args (flags of python -m prune) as prune_model's keywords, plus
-    count_first_token; a flag that a grid cannot vary is refused."""
-    parser = cli_args.ArgumentParser(prog="--prune_args", add_help=False, argument_default=argparse.SUPPRESS)
-    parser.add_argument("--one-shot", "--one_shot", dest="one_shot", action="store_true")
-    parser.add_argument("--count_first_token", action="store_true", default=False)
-    parser.add_argument("--include", nargs="+")
-    parser.add_argument("--exclude", nargs="+")
-    parser.add_argument("--batch_tokens", type=cli_args.positive_int)
+    """compare's --prune_args (python -m prune's pruning flags, prune.run.add_pruning_args) as
+    prune_model's keywords; any other flag is refused (a grid varies its calibration by --sources)."""
+    parser = cli_args.ArgumentParser(prog="--prune_args", add_help=False)
+    add_pruning_args(parser)
     options, unknown = parser.parse_known_args(prune_args)
     if unknown:
-        raise ValueError(f"--prune_args: cannot pass on {' '.join(unknown)} (only --one_shot, --count_first_token, "
-                         f"--include, --exclude and --batch_tokens)")
+        flags = [a.option_strings[-1] for a in parser._actions if a.option_strings]
+        raise ValueError(f"--prune_args: cannot pass on {' '.join(unknown)} (only {', '.join(flags)})")
     return vars(options)
 
 
@@ -146,8 +152,6 @@ def prune(args, method, pattern, calib, seed, calib_prompts: Path, out: Path):
     started = time.perf_counter()
     source = read_source(args.checkpoint)  # the cell's one read of the checkpoint
     calibration = cached_calibration(args, source, calib, seed, calib_prompts)
-    if options.pop("count_first_token"):  # as python -m prune does; the cached set stays decode-only
-        calibration = calibration.with_first_positions()
     calibration_seconds = time.perf_counter() - started
     pruned = prune_model(source.model, calibration, method, pattern, device=args.device, seed=seed,
                          metadata=source.provenance(), **options)
@@ -158,19 +162,41 @@ def prune(args, method, pattern, calib, seed, calib_prompts: Path, out: Path):
                f"({metadata['calibration'].get('reused_from', 'made for this cell')}); calibration "
                f"{calibration_seconds:.1f} s, pruning {metadata['timing']['prune_seconds']:.1f} s\n")
     out.with_suffix(".log").write_text(summary)
+    write_json_atomic(out.with_suffix(".mix.json"), metadata["calibration"]["mix"])
     tqdm.write(summary)
 
 
+def calibration_mix(checkpoint: Path) -> dict | None:
+    """The calibration mix a cell's checkpoint records (prune() keeps a copy beside it, so a
+    re-tabulation does not open the checkpoint); None for checkpoints pruned without one."""
+    copy = checkpoint.with_suffix(".mix.json")
+    if copy.exists():
+        return json.loads(copy.read_text())
+    from checkpoint import load_checkpoint
+    return load_checkpoint(checkpoint, mmap=True)[2].get("calibration", {}).get("mix")
+
+
 def cached_calibration(args, source, calib: str, seed: int, calib_prompts: Path):
-    """The calibration set of one cell. A decoding-aware one is a seeded generation by the dense model:
-    the same for every backend and pattern at one seed and budget, and on a CPU the slowest part of a
-    cell, so it is made once and kept in --calibration_cache (default: the workdir) under a name derived
-    from what decides the generation and the prompts; text windows are cut afresh (seconds)."""
+    """The calibration set of one cell. decode, decode_first and generated come from one seeded
+    generation by the dense model: the same for every backend and pattern at one seed and budget, and
+    on a CPU the slowest part of a cell, so it is made once and kept in --calibration_cache (default:
+    the workdir) under a name derived from what decides the generation and the prompts; C4 windows
+    and reference text are cut afresh (seconds)."""
     from tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(source.tokenizer_dir())
-    if calib == "text":
+    if calib == BASELINE:
         return text_windows(tokenizer, data_path("c4_sample.jsonl"), args.tokens, args.calib_seq_len, seed)
+    if calib == "reference":
+        rows = read_prompt_rows(calib_prompts)
+        calibration = reference_calibration(tokenizer, rows, args.tokens)
+        calibration.info.update(prompt_file_record(calib_prompts, rows))
+        return calibration
+    return from_decode(cached_decode_calibration(args, source, tokenizer, seed, calib_prompts), calib, args.tokens)
+
+
+def cached_decode_calibration(args, source, tokenizer, seed: int, calib_prompts: Path) -> CalibrationSet:
+    """The decode calibration of one seed, from the cache or generated and cached."""
     # Named as python -m prune names these settings, so the cache files keep their names.
     key = dict(checkpoint=str(args.checkpoint), generator="None", tokens=str(args.tokens),
                max_new_tokens=str(args.calib_max_new_tokens), seed=str(seed), batch_size=str(args.calib_batch_size),
@@ -180,13 +206,16 @@ def cached_calibration(args, source, calib: str, seed: int, calib_prompts: Path)
     path = Path(args.calibration_cache or args.workdir) / f"calibration-decode-{args.tokens}tok-seed{seed}-{digest}.pt"
     if path.exists():
         saved = torch.load(path, weights_only=True)
-        return CalibrationSet(saved["sequences"], saved["counted"], dict(saved["info"], reused_from=str(path)))
+        return CalibrationSet(saved["sequences"], saved["counted"], dict(saved["info"], reused_from=str(path)),
+                              saved.get("domains"), saved.get("prompt_lengths"))
     device = torch.device(args.device)
     calibration = calibrate_by_decoding(source, tokenizer, calib_prompts, args.tokens, args.calib_max_new_tokens,
                                         device=device, seed=seed, batch_size=args.calib_batch_size, **SAMPLING,
                                         compile=device.type == "cuda")
     atomic_write(path, lambda tmp: torch.save(dict(key=key, sequences=calibration.sequences,
-                                                   counted=calibration.counted, info=calibration.info), tmp))
+                                                   counted=calibration.counted, info=calibration.info,
+                                                   domains=calibration.domains,
+                                                   prompt_lengths=calibration.prompt_lengths), tmp))
     return calibration
 
 
@@ -196,7 +225,8 @@ def evaluate_checkpoint(args, model, context: dict) -> dict:
     from evaluation.perplexity import perplexity
 
     is_dense = model is context["dense"]
-    metrics = {} if is_dense else decode_fidelity(context["dense"], model, context["references"], context["dense_logits"])
+    metrics = {} if is_dense else decode_fidelity(context["dense"], model, context["references"], context["dense_logits"],
+                                                  context["domains"])
     metrics["wikitext2_ppl"] = perplexity(model, context["wikitext_ids"], args.seq_len)["perplexity"]
     return metrics
 
@@ -234,45 +264,65 @@ def aggregate(runs: list[dict]) -> dict:
     return table
 
 
+def mix_labels(runs: list[dict]) -> dict:
+    """{(method, pattern, calib): prune.calibration.mix_label of the seeds that recorded a mix}."""
+    groups = {}
+    for run in runs:
+        if run.get("calibration_mix"):
+            groups.setdefault((run["method"], run["pattern"], run["calib"]), []).append(run["calibration_mix"])
+    return {key: mix_label(mixes) for key, mixes in groups.items()}
+
+
+def sources_in(table: dict) -> list[str]:
+    """The calibration sources of a table: SOURCES' order first, then any other name in the results."""
+    present = {k[2] for k in table}
+    return [s for s in SOURCES if s in present] + sorted(present - set(SOURCES))
+
+
 def metric_columns(table: dict) -> list[tuple[str, str, bool]]:
     present = {m for row in table.values() for m in row}
     task_metrics = sorted(m for m in present if m.endswith(("pass@1", "_S_l")))
     return [c for c in METRICS if c[0] in present] + [(m, m, True) for m in task_metrics]
 
 
-def markdown_table(table: dict, dense: dict) -> str:
-    """One row per backend x pattern x calibration, mean ± std over seeds; the last column says, per
-    metric in order, whether decode-aware beat C4 on that backend x pattern (mean vs mean)."""
-    columns = metric_columns(table)
-    lines = ["| backend | pattern | calibration | seeds | " + " | ".join(label for _, label, _ in columns) + " |",
-             "|" + "---|" * (4 + len(columns))]
-    lines.append("| dense | - | - | - | " + " | ".join(_fmt(dense.get(key)) for key, _, _ in columns) + " |")
+def markdown_table(table: dict, dense: dict, mixes: dict | None = None) -> str:
+    """One row per backend x pattern x calibration source, mean ± std over seeds, with the source's
+    calibration mix (mix_labels)."""
+    columns, mixes = metric_columns(table), mixes or {}
+    lines = ["| backend | pattern | calibration | calibration mix | seeds | "
+             + " | ".join(label for _, label, _ in columns) + " |", "|" + "---|" * (5 + len(columns))]
+    lines.append("| dense | - | - | - | - | " + " | ".join(_fmt(dense.get(key)) for key, _, _ in columns) + " |")
     for method, pattern in sorted({(k[0], k[1]) for k in table}):
-        for calib in CALIBRATIONS:
+        for calib in sources_in(table):
             row = table.get((method, pattern, calib))
             if row is None:
                 continue
             n = max(v[2] for v in row.values())
             cells = [_fmt_spread(row.get(key), n) for key, _, _ in columns]
-            lines.append(f"| {method} | {pattern} | {CALIB_LABEL[calib]} | {n} | " + " | ".join(cells) + " |")
+            mix = mixes.get((method, pattern, calib), "-")
+            lines.append(f"| {method} | {pattern} | {SOURCE_LABEL.get(calib, calib)} | {mix} | {n} | "
+                         + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
 def verdicts(table: dict) -> list[dict]:
-    """Per backend x pattern x metric: does decode-aware beat C4, by how much, and is the gap larger
-    than the seeds' spread (|difference| > std_C4 + std_decode; None when a side has one seed, so no spread)?"""
+    """Per backend x pattern x source x metric: does the source beat C4, by how much, and is the gap
+    larger than the seeds' spread (|difference| > std_C4 + std_source; None when a side has one seed,
+    so no spread)?"""
     rows = []
     for method, pattern in sorted({(k[0], k[1]) for k in table}):
-        c4, dec = table.get((method, pattern, "text")), table.get((method, pattern, "decode"))
-        if not (c4 and dec):
-            continue
-        for key, label, higher_better in metric_columns(table):
-            if key in c4 and key in dec:
-                (m_c4, s_c4, n_c4), (m_dec, s_dec, n_dec) = c4[key], dec[key]
-                better = m_dec > m_c4 if higher_better else m_dec < m_c4
-                rows.append({"method": method, "pattern": pattern, "metric": label, "c4": m_c4, "decode": m_dec,
-                             "decode_better": better, "tie": m_dec == m_c4,
-                             "beyond_spread": abs(m_dec - m_c4) > s_c4 + s_dec if min(n_c4, n_dec) > 1 else None})
+        c4 = table.get((method, pattern, BASELINE)) or table.get((method, pattern, "text"))
+        for source in sources_in(table):
+            other = table.get((method, pattern, source))
+            if not (c4 and other) or other is c4:
+                continue
+            for key, label, higher_better in metric_columns(table):
+                if key in c4 and key in other:
+                    (m_c4, s_c4, n_c4), (m_src, s_src, n_src) = c4[key], other[key]
+                    rows.append({"method": method, "pattern": pattern, "source": source, "metric": label,
+                                 "c4": m_c4, "value": m_src, "better": m_src > m_c4 if higher_better else m_src < m_c4,
+                                 "tie": m_src == m_c4,
+                                 "beyond_spread": abs(m_src - m_c4) > s_c4 + s_src if min(n_c4, n_src) > 1 else None})
     return rows
 
 
@@ -291,47 +341,60 @@ def _fmt_spread(cell, n_row: int) -> str:
 
 
 def plot(table: dict, dense: dict, path):
+    """One panel per metric, bars per calibration source with the seed spread; the fidelity metrics
+    on a row each: overall, writing, code."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    columns = [c for c in metric_columns(table)]
+    columns = metric_columns(table)
     pairs = sorted({(k[0], k[1]) for k in table})
-    fig, axes = plt.subplots(1, len(columns), figsize=(4.2 * len(columns), 4), squeeze=False)
-    for ax, (key, label, higher_better) in zip(axes[0], columns):
+    sources = sources_in(table)
+    per_row = 1 + len(DOMAINS)
+    n_rows = math.ceil(len(columns) / per_row)
+    fig, axes = plt.subplots(n_rows, per_row, figsize=(5 * per_row, 3.8 * n_rows), squeeze=False)
+    width = 0.8 / len(sources)
+    for ax, (key, label, higher_better) in zip(axes.flat, columns):
         x = range(len(pairs))
-        for offset, calib in ((-0.2, "text"), (0.2, "decode")):
+        for k, calib in enumerate(sources):
             cells = [table.get((m, p, calib), {}).get(key, (float("nan"), 0.0, 0)) for m, p in pairs]
-            ax.bar([i + offset for i in x], [c[0] for c in cells], width=0.4, yerr=[c[1] for c in cells],
-                   capsize=3, label=CALIB_LABEL[calib])
+            ax.bar([i + (k - (len(sources) - 1) / 2) * width for i in x], [c[0] for c in cells], width=width,
+                   yerr=[c[1] for c in cells], capsize=2, label=SOURCE_LABEL.get(calib, calib))
         if key in dense:
             ax.axhline(dense[key], color="black", linestyle=":", label="dense")
         ax.set_xticks(list(x), [f"{m}\n{p}" for m, p in pairs], fontsize=8)
         ax.set_title(f"{label} ({'higher' if higher_better else 'lower'} is better)", fontsize=9)
-        if key in ("kl", "wikitext2_ppl", "c4_ppl"):
+        if key.startswith("kl") or key in ("wikitext2_ppl", "c4_ppl"):
             ax.set_yscale("log")
-    axes[0][0].legend(fontsize=8)
+    for ax in list(axes.flat)[len(columns):]:
+        ax.set_visible(False)
+    axes[0][0].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
 def main():
-    parser = cli_args.ArgumentParser(description="Decode-aware vs C4 calibration: prune, evaluate, tabulate, plot.")
+    parser = cli_args.ArgumentParser(description="Pruning calibrated on C4, decode positions, generated or human "
+                                     "text of the task domain: prune, evaluate (writing, code, overall), tabulate, plot.")
     parser.add_argument("--checkpoint", type=Path, required=True, help="dense source checkpoint")
     parser.add_argument("--workdir", type=Path, required=True, help="pruned checkpoints and cached metrics")
     parser.add_argument("--methods", nargs="+", default=["sparsegpt", "wanda"])
     parser.add_argument("--patterns", nargs="+", default=["2:4", "8:16", "50%"])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    parser.add_argument("--tokens", type=cli_args.positive_int, default=16384, help="calibration budget, the same for both sources")
+    parser.add_argument("--sources", nargs="+", choices=SOURCES, default=list(SOURCES),
+                        help="calibration sources (see the module docstring): c4 teacher-forced; decode positions only; "
+                             "decode_first also the first position; generated every position of the same sequences; "
+                             "reference the prompts with their human reference answers")
+    parser.add_argument("--tokens", type=cli_args.positive_int, default=16384,
+                        help="calibration budget in counted tokens, the same for every source")
     parser.add_argument("--calib_max_new_tokens", type=cli_args.positive_int, default=256, help="decode calibration: tokens per prompt")
     parser.add_argument("--calib_batch_size", type=cli_args.positive_int, default=16, help="decode calibration: prompts generated at once")
     parser.add_argument("--calib_seq_len", type=cli_args.positive_int, default=512, help="text calibration: window length")
     parser.add_argument("--calibration_cache", type=Path,
                         help="folder of cached decode calibrations (default: --workdir); share it between workdirs")
     parser.add_argument("--prune_args", nargs=argparse.REMAINDER, default=[],
-                        help="pruning flags of python -m prune: --one_shot, --count_first_token, --include, "
-                             "--exclude, --batch_tokens (put last)")
+                        help="pruning flags of python -m prune: --one_shot, --include, --exclude, --batch_tokens (put last)")
     parser.add_argument("--heldout_writing", type=cli_args.non_negative_int, default=20, help="LongBench-Write prompts held out (at most 20)")
     parser.add_argument("--heldout_code", type=cli_args.non_negative_int, default=10, help="HumanEval prompts held out")
     parser.add_argument("--max_new_tokens", type=cli_args.positive_int, default=128, help="length of the dense reference generations")
@@ -353,6 +416,9 @@ def main():
     parser.add_argument("--plot", type=Path, help="PNG")
     parser.add_argument("--table", type=Path, help="markdown table")
     args = parser.parse_args()
+    if BASELINE in args.sources and args.tokens % args.calib_seq_len:
+        parser.error(f"--tokens {args.tokens} is not a multiple of --calib_seq_len {args.calib_seq_len}: the C4 windows "
+                     f"would count more tokens than the other sources")
     try:
         prune_options(args.prune_args)  # a bad flag stops the grid before any work
         results = run_grid(args)
@@ -369,9 +435,12 @@ def run_grid(args) -> dict:
     from evaluation.perplexity import read_text
 
     args.workdir.mkdir(parents=True, exist_ok=True)
-    calibration, heldout = prompt_split(args.heldout_writing, args.heldout_code)
+    calibration, heldout_rows = prompt_rows(args.heldout_writing, args.heldout_code)
+    heldout, heldout_domains = [row["prompt"] for row in heldout_rows], [row["domain"] for row in heldout_rows]
+    refuse_overlap({prompt_digest(row["prompt"]) for row in calibration}, heldout + [
+        row["prompt"] for row in writing_rows(heldout=True)[: args.task_limit] if "longbench_write" in args.tasks])
     calib_prompts = args.workdir / "calibration_prompts.jsonl"
-    prompt_lines = "".join(json.dumps({"prompt": p}) + "\n" for p in calibration)
+    prompt_lines = "".join(json.dumps(row) + "\n" for row in calibration)
     if not calib_prompts.exists() or calib_prompts.read_text() != prompt_lines:  # another runner may be reading it
         atomic_write(calib_prompts, lambda tmp: Path(tmp).write_text(prompt_lines))
 
@@ -389,14 +458,16 @@ def run_grid(args) -> dict:
         else:
             references = dense_references(dense, tokenizer, heldout, args.max_new_tokens, args.batch_size)
             write_json_atomic(references_path, references)
-        references = [r for r in references if r[1]]
+        kept = [(r, d) for r, d in zip(references, heldout_domains, strict=True) if r[1]]
+        references, domains = [r for r, _ in kept], [d for _, d in kept]
         wikitext = read_text(data_path("wikitext2_test.raw"), max_chars=8 * args.ppl_tokens)
-        context.update(dense=dense, tokenizer=tokenizer, references=references,
+        context.update(dense=dense, tokenizer=tokenizer, references=references, domains=domains,
                        wikitext_ids=tokenizer.encode(wikitext)[: args.ppl_tokens],
                        dense_logits=decode_step_logits(dense, references))
         return context
 
-    eval_key = f"ppl{args.ppl_tokens}x{args.seq_len}-refs{len(heldout)}x{args.max_new_tokens}"
+    # "-domains": fidelity per domain too (metrics cached without it are measured again)
+    eval_key = f"ppl{args.ppl_tokens}x{args.seq_len}-refs{len(heldout)}x{args.max_new_tokens}-domains"
     c4_seeds = sorted(set(C4_EXCLUDED_SEEDS) | set(args.seeds))
     c4_budget = max(C4_EXCLUDED_TOKENS, args.tokens)
     c4_key = (f"c4ppl{args.c4_ppl_tokens}x{args.seq_len}-excl{c4_budget}x{args.calib_seq_len}"
@@ -431,7 +502,7 @@ def run_grid(args) -> dict:
 
     evaluation = "+".join([eval_key, *([c4_key] if args.c4_ppl_tokens else []), *task_keys.values()])  # names what the results were measured with
     dense_metrics = metrics_of("dense", lambda: evaluation_context()["dense"])
-    grid = [(m, p, c, s) for s in args.seeds for p in args.patterns for m in args.methods for c in CALIBRATIONS]
+    grid = [(m, p, c, s) for s in args.seeds for p in args.patterns for m in args.methods for c in args.sources]
     runs = []
     for method, pattern, calib, seed in tqdm(grid, desc="grid"):
         name = run_name(method, pattern, calib, seed)
@@ -440,14 +511,15 @@ def run_grid(args) -> dict:
             continue
         prune(args, method, pattern, calib, seed, calib_prompts, checkpoint)
         metrics = metrics_of(name, functools.cache(lambda: load_model(checkpoint, args.device)))
-        runs.append({"method": method, "pattern": pattern, "calib": calib, "seed": seed, "metrics": metrics})
+        runs.append({"method": method, "pattern": pattern, "calib": calib, "seed": seed,
+                     "calibration_mix": calibration_mix(checkpoint), "metrics": metrics})
         write_results(args, runs, dense_metrics, evaluation)
     return write_results(args, runs, dense_metrics, evaluation)
 
 
 def write_results(args, runs, dense_metrics, evaluation: str) -> dict:
-    # prune_args records the rule the cells were pruned under (e.g. --count_first_token), so that
-    # evaluation.merge can refuse to pool cells of two rules.
+    # prune_args records how the cells were pruned (e.g. --one_shot), so that evaluation.merge can
+    # refuse to pool cells pruned two ways.
     return write_outputs({"checkpoint": str(args.checkpoint), "calibration_tokens": args.tokens, "evaluation": evaluation,
                           "prune_args": list(args.prune_args), "dense": dense_metrics, "runs": runs},
                          args.out, args.table, args.plot)
@@ -457,7 +529,8 @@ def write_outputs(results: dict, out: Path, table_path: Path = None, plot_path: 
     """results + the table over its runs (markdown) and the verdicts, as JSON at `out` (atomically);
     the markdown table and the plot too where asked."""
     table = aggregate(results["runs"])
-    results = {**results, "table_markdown": markdown_table(table, results["dense"]), "verdicts": verdicts(table)}
+    results = {**results, "table_markdown": markdown_table(table, results["dense"], mix_labels(results["runs"])),
+               "verdicts": verdicts(table)}
     write_json_atomic(out, results)
     if table_path:
         atomic_write(table_path, lambda tmp: Path(tmp).write_text(results["table_markdown"]))
@@ -467,12 +540,12 @@ def write_outputs(results: dict, out: Path, table_path: Path = None, plot_path: 
 
 
 def print_summary(results: dict):
-    """The table, then one line per verdict (backend x pattern x metric)."""
+    """The table, then one line per verdict (backend x pattern x source x metric)."""
     print(results["table_markdown"])
     for v in results["verdicts"]:
-        outcome = "ties" if v["tie"] else "beats" if v["decode_better"] else "loses to"
-        print(f"{v['method']:>9} {v['pattern']:>4} {v['metric']:>18}: decode-aware {outcome} C4 "
-              f"({v['decode']:.4g} vs {v['c4']:.4g}){SPREAD_NOTE[v['beyond_spread']]}")
+        outcome = "ties" if v["tie"] else "beats" if v["better"] else "loses to"
+        print(f"{v['method']:>9} {v['pattern']:>4} {v['metric']:>24}: {SOURCE_LABEL.get(v['source'], v['source'])} "
+              f"{outcome} C4 ({v['value']:.4g} vs {v['c4']:.4g}){SPREAD_NOTE[v['beyond_spread']]}")
 
 
 def cached_metrics(path: Path, measure) -> dict:

@@ -1,4 +1,5 @@
-"""Where the evaluation data lives, and the two file formats it comes in (jsonl, plain text).
+"""Where the evaluation data lives, the two file formats it comes in (jsonl, plain text), and the
+split of its prompts into calibration and held-out ones (with the check that keeps them apart).
 
 The data sets are read by path from the project's shared folder (../shared/data beside the repo),
 never copied into the repo. SPARSEDECODING_SHARED overrides the shared folder's location.
@@ -62,3 +63,45 @@ def write_json_atomic(path, obj):
     from checkpoint import atomic_write  # the project's temp+rename helper
 
     atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n"))
+
+
+def refuse_overlap(calibration_digests, evaluation_prompts: list[str], calibrated_on: str = "calibration prompts"):
+    """ValueError (one line) if an evaluation prompt is one the model was calibrated on, compared by
+    prune.calibration.prompt_digest: a test set must be disjoint from the calibration set."""
+    from prune.calibration import prompt_digest
+
+    digests = set(calibration_digests)
+    overlap = [p for p in evaluation_prompts if prompt_digest(p) in digests]
+    if overlap:
+        first = " ".join(overlap[0].split())[:60]
+        raise ValueError(f"{len(overlap)} of the {len(evaluation_prompts)} evaluation prompts are among the "
+                         f"{calibrated_on} (first: '{first}'); evaluate on held-out prompts")
+
+
+def writing_rows(heldout: bool) -> list[dict]:
+    """LongBench-Write-en rows ({"prompt", "length", ...}): every third one (0, 3, 6, ...) is held out,
+    the others are calibration prompts."""
+    rows = read_jsonl(data_path("longbench_write_en.jsonl"))
+    return [row for i, row in enumerate(rows) if (i % 3 == 0) == heldout]
+
+
+def prompt_rows(n_writing_heldout: int = 20, n_code_heldout: int = 10) -> tuple[list[dict], list[dict]]:
+    """(calibration rows, held-out rows), disjoint, as {"prompt", "domain", "reference"} (the held-out
+    rows without a reference). Calibration: the LongBench-Write-en rows writing_rows does not hold out
+    (writing), then MBPP problems 601-974, outside MBPP's test split (code, with their reference
+    solutions). Held out: the first n_writing_heldout held-out LongBench-Write-en rows (writing) and
+    the first n_code_heldout HumanEval prompts (code)."""
+    mbpp = [dict(prompt=row["text"], domain="code", reference=row["code"])
+            for row in read_jsonl(data_path("mbpp.jsonl")) if row["task_id"] >= 601]
+    humaneval = [dict(prompt=row["prompt"], domain="code")
+                 for row in read_jsonl(data_path("HumanEval.jsonl.gz"))[:n_code_heldout]]
+    # LongBench-Write has no reference answers: a writing prompt's human text is the prompt alone.
+    calibration = [dict(prompt=row["prompt"], domain="writing", reference=None) for row in writing_rows(heldout=False)]
+    heldout = [dict(prompt=row["prompt"], domain="writing") for row in writing_rows(heldout=True)][:n_writing_heldout]
+    return calibration + mbpp, heldout + humaneval
+
+
+def prompt_split(n_writing_heldout: int = 20, n_code_heldout: int = 10) -> tuple[list[str], list[str]]:
+    """(calibration prompts, held-out prompts): the texts of prompt_rows."""
+    calibration, heldout = prompt_rows(n_writing_heldout, n_code_heldout)
+    return [row["prompt"] for row in calibration], [row["prompt"] for row in heldout]

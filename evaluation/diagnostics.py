@@ -32,7 +32,7 @@ import torch.nn as nn
 from tqdm import tqdm
 
 import cli_args
-from evaluation.compare import prompt_split
+from evaluation.data import prompt_split
 from evaluation.data import data_path, read_prompts, write_json_atomic
 from evaluation.fidelity import dense_references
 from evaluation.generation import USER_ERRORS, forward_logits, load_model, load_model_and_tokenizer

@@ -10,17 +10,25 @@ position that predicts generated token t) we compare the next-token distribution
   model's own greedy output would first leave the dense one; a sequence that never diverges counts
   its full length (censored; `never_diverged` says how often).
 
-CLI: python -m evaluation.fidelity --dense dense.pth --pruned pruned.pth [--prompts FILE] [--limit 20]
+With the prompts' domains (e.g. writing and code) every metric is also reported per domain, as
+`<metric>_<domain>`.
+
+CLI: python -m evaluation.fidelity --dense dense.pth --pruned pruned.pth [--prompts FILE] [--limit N]
          [--max_new_tokens 256] [--out fidelity.json]
+Without --prompts it evaluates evaluation.compare's held-out prompts (writing and code), none of which
+any of its calibrations reads; prompts the pruned checkpoint records as calibration prompts are
+refused before any work.
 """
 import statistics
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
 import cli_args
-from evaluation.data import data_path, read_prompts
+from checkpoint import load_checkpoint
+from evaluation.data import prompt_rows, read_jsonl, read_prompts, refuse_overlap
 from evaluation.generation import (encode_prompt, forward_logits, greedy_token_ids, load_model,
                                    load_model_and_tokenizer, run_cli)
 
@@ -67,19 +75,44 @@ def decode_step_logits(model, references) -> list[torch.Tensor]:
     return rows
 
 
+DOMAIN_METRICS = ("kl", "top1_agreement", "tokens_to_divergence_mean", "decode_tokens", "sequences")
+
+
 def decode_fidelity(dense_model, pruned_model, references: list[tuple[list[int], list[int]]],
-                    dense_logits: list[torch.Tensor] | None = None) -> dict:
+                    dense_logits: list[torch.Tensor] | None = None, domains: list[str] | None = None) -> dict:
     """references: (prompt ids, dense greedy generation ids) pairs, e.g. from dense_references().
     dense_logits: decode_step_logits(dense_model, references), when already computed (a grid of
-    pruned models compares against the same dense model)."""
-    references = [r for r in references if r[1]]
-    if not references:
+    pruned models compares against the same dense model). domains: one per reference; the summary
+    then also holds DOMAIN_METRICS per domain as `<metric>_<domain>`."""
+    domains = domains or [None] * len(references)
+    kept = [(r, d) for r, d in zip(references, domains, strict=True) if r[1]]
+    if not kept:
         raise ValueError("every dense reference generation is empty; nothing to compare")
+    references, domains = [r for r, _ in kept], [d for _, d in kept]
     if dense_logits is None:
         dense_logits = decode_step_logits(dense_model, references)
     pruned_logits = decode_step_logits(pruned_model, references)
-    return summarize([step_metrics(d, p, torch.tensor(generated))
-                      for d, p, (_, generated) in zip(dense_logits, pruned_logits, references, strict=True)])
+    per_sequence = [step_metrics(d, p, torch.tensor(generated))
+                    for d, p, (_, generated) in zip(dense_logits, pruned_logits, references, strict=True)]
+    summary = summarize(per_sequence)
+    for domain in dict.fromkeys(d for d in domains if d is not None):
+        part = summarize([s for s, d in zip(per_sequence, domains) if d == domain])
+        summary.update({f"{metric}_{domain}": part[metric] for metric in DOMAIN_METRICS})
+    return summary
+
+
+def prompts_and_domains(path) -> tuple[list[str], list[str | None]]:
+    """A prompt file's prompts and each row's `domain` field (None where absent, and for text files)."""
+    prompts = read_prompts(path)
+    if ".jsonl" not in Path(path).suffixes:
+        return prompts, [None] * len(prompts)
+    return prompts, [row.get("domain") for row in read_jsonl(path)]
+
+
+def calibration_prompt_digests(checkpoint) -> list[str]:
+    """The digests of the prompts a pruned checkpoint was calibrated on (none for text windows)."""
+    metadata = load_checkpoint(checkpoint, mmap=True)[2]
+    return metadata.get("calibration", {}).get("prompt_sha256", [])
 
 
 def dense_references(dense_model, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int = 8,
@@ -98,8 +131,9 @@ def main():
     parser = cli_args.ArgumentParser(description="Decode fidelity of a pruned checkpoint against its dense source.")
     parser.add_argument("--dense", required=True, help="dense checkpoint")
     parser.add_argument("--pruned", required=True, help="pruned checkpoint (packed or dense-zeros)")
-    parser.add_argument("--prompts", help="held-out prompts, .jsonl or .txt (default: shared longbench_write_en.jsonl)")
-    parser.add_argument("--limit", type=cli_args.positive_int, default=20)
+    parser.add_argument("--prompts", help="held-out prompts, .jsonl (field prompt, optional domain) or .txt "
+                        "(default: evaluation.compare's held-out writing and code prompts)")
+    parser.add_argument("--limit", type=cli_args.positive_int, help="evaluate only the first N prompts (default: all)")
     parser.add_argument("--max_new_tokens", type=cli_args.positive_int, default=256)
     parser.add_argument("--batch_size", type=cli_args.positive_int, default=8)
     parser.add_argument("--device", type=cli_args.device, default="cpu")
@@ -107,15 +141,38 @@ def main():
     args = parser.parse_args()
 
     def run():
-        prompts = read_prompts(args.prompts or data_path("longbench_write_en.jsonl"))[: args.limit]
+        if args.prompts:
+            prompts, domains = prompts_and_domains(args.prompts)
+        else:
+            rows = prompt_rows()[1]
+            prompts, domains = [row["prompt"] for row in rows], [row["domain"] for row in rows]
+        source = args.prompts or "evaluation.compare's held-out prompts"
+        if args.limit is not None and args.limit < len(prompts):
+            print(f"evaluating the first {args.limit} of the {len(prompts)} prompts of {source} (--limit)")
+            prompts, domains = prompts[: args.limit], domains[: args.limit]
+        else:
+            print(f"evaluating all {len(prompts)} prompts of {source}")
+        refuse_overlap(calibration_prompt_digests(args.pruned), prompts, f"prompts {args.pruned} was calibrated on")
         dense, tokenizer = load_model_and_tokenizer(args.dense, args.device)
         pruned = load_model(args.pruned, args.device)
         return decode_fidelity(dense, pruned, dense_references(dense, tokenizer, prompts, args.max_new_tokens,
-                                                               args.batch_size))
+                                                               args.batch_size), domains=domains)
 
-    run_cli(run, lambda r: f"KL(dense||pruned) {r['kl']:.4f} nats/token | top-1 agreement {r['top1_agreement']:.4f} | "
-                           f"tokens to divergence mean {r['tokens_to_divergence_mean']:.1f}, median "
-                           f"{r['tokens_to_divergence_median']:.1f} | {r['decode_tokens']} decode tokens", args.out)
+    run_cli(run, summary_line, args.out)
+
+
+def summary_line(result: dict) -> str:
+    """The metrics overall, then per domain where the prompts have domains."""
+    text = (f"KL(dense||pruned) {result['kl']:.4f} nats/token | top-1 agreement {result['top1_agreement']:.4f} | "
+            f"tokens to divergence mean {result['tokens_to_divergence_mean']:.1f}, median "
+            f"{result['tokens_to_divergence_median']:.1f} | {result['decode_tokens']} decode tokens")
+    for key in result:
+        if key.startswith("sequences_"):
+            domain = key.removeprefix("sequences_")
+            text += (f"\n  {domain}: KL {result[f'kl_{domain}']:.4f} | top-1 {result[f'top1_agreement_{domain}']:.4f} | "
+                     f"tokens to divergence mean {result[f'tokens_to_divergence_mean_{domain}']:.1f} | "
+                     f"{result[f'decode_tokens_{domain}']} decode tokens")
+    return text
 
 
 if __name__ == "__main__":

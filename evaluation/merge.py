@@ -1,9 +1,9 @@
 """Merge results files of evaluation.compare into one table, plot and verdicts over all their cells.
 
 Long grids run a seed or a backend at a time (one results file each); this pools their cells, so
-the mean ± std over seeds and the verdicts (is decode-aware better than C4, beyond the seeds'
-spread?) come out as compare would have written them for the whole grid. Nothing is pruned or
-evaluated.
+the mean ± std over seeds, the calibration mix of each source and the verdicts (does each source
+beat C4, beyond the seeds' spread?) come out as compare would have written them for the whole grid.
+Nothing is pruned or evaluated.
 
     python -m evaluation.merge docs/results/budget_protocol/sequential_128k*.json \
         --out runs/merged.json --table runs/merged.md --plot runs/merged.png
@@ -11,8 +11,7 @@ evaluated.
 The files must share the evaluation (held-out set, lengths), the calibration budget, the dense
 model's metrics and, where a file records them, the pruning flags. A cell (backend, pattern,
 calibration, seed) found in two files must hold the same metrics in both: two different cells under
-one name mean two pruning rules were mixed (e.g. decode positions only and decode + first position,
-whose C4 cells are the same checkpoint).
+one name mean two pruning rules were mixed.
 """
 import json
 from pathlib import Path

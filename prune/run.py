@@ -54,8 +54,9 @@ import cli_args
 from checkpoint import CheckpointError, load_checkpoint, same_file, save_checkpoint
 from generate import model_from_state_dict
 from model import ModelArgs, Transformer, precompute_rope
-from prune.calibration import (CalibrationError, CalibrationSet, InputStatistics, decode_calibration,
-                               download_c4_shard, read_prompts, text_windows)
+from prune.calibration import (DECODE_SOURCES, SOURCES, CalibrationError, CalibrationSet, InputStatistics,
+                               decode_calibration, download_c4_shard, from_decode, mix_label, prompt_file_record,
+                               read_prompt_rows, reference_calibration, text_windows)
 from prune.magnitude import magnitude_prune
 from prune.sparsegpt import sparsegpt_prune
 from prune.wanda import wanda_prune
@@ -359,7 +360,7 @@ def pruned_metadata(result: PruneResult, calibration: CalibrationSet, method, pa
         method=method,
         calibration=dict(calibration.info, counted_tokens=calibration.counted_tokens,
                          sequences=len(calibration.sequences), total_tokens=sum(len(s) for s in calibration.sequences),
-                         collection="one-shot" if one_shot else "sequential"),
+                         collection="one-shot" if one_shot else "sequential", mix=calibration.mix()),
         timing=dict(prune_seconds=result.seconds["total"], replay_seconds=result.seconds["replay"],
                     solve_seconds=result.seconds["solve"], peak_memory_bytes=result.peak_memory_bytes,
                     device=str(device)),
@@ -399,10 +400,12 @@ def calibrate_by_decoding(source: Source, tokenizer, prompts_file, tokens: int, 
         if model.config.vocab_size != source.model.config.vocab_size:
             raise CalibrationError(f"--generator {generator} has a vocabulary of {model.config.vocab_size} tokens, "
                                    f"the pruned model {source.model.config.vocab_size}: they must share a tokenizer")
-    calibration = decode_calibration(model, tokenizer, read_prompts(prompts_file), tokens, max_new_tokens,
-                                     temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                                     batch_size=batch_size, compile=compile)
-    calibration.info.update(prompt_file=str(prompts_file), generator=str(Path(generator or source.path).resolve()))
+    rows = read_prompt_rows(prompts_file)
+    calibration = decode_calibration(model, tokenizer, [row["prompt"] for row in rows], tokens, max_new_tokens,
+                                     domains=[row["domain"] for row in rows], temperature=temperature, top_k=top_k,
+                                     top_p=top_p, seed=seed, batch_size=batch_size, compile=compile)
+    calibration.info.update(prompt_file_record(prompts_file, rows),
+                            generator=str(Path(generator or source.path).resolve()))
     del model
     if device.type == "cuda":
         torch._dynamo.reset()  # the compiled step's CUDA-graph pool still holds the generator's memory
@@ -419,10 +422,35 @@ def build_calibration(args, source: Source, device) -> CalibrationSet:
     if args.calib == "text":
         path = download_c4_shard() if args.text == "c4" else args.text
         return text_windows(tokenizer, path, args.tokens, args.seq_len, args.seed)
-    return calibrate_by_decoding(source, tokenizer, args.prompts, args.tokens, args.max_new_tokens, device=device,
-                                 generator=args.generator, seed=args.seed, batch_size=args.batch_size,
-                                 temperature=0.0 if args.greedy else args.temperature, top_k=args.top_k,
-                                 top_p=args.top_p, compile=device.type == "cuda" and not args.no_compile)
+    if args.calib == "reference":
+        rows = read_prompt_rows(args.prompts)
+        calibration = reference_calibration(tokenizer, rows, args.tokens)
+        calibration.info.update(prompt_file_record(args.prompts, rows))
+        return calibration
+    decoded = calibrate_by_decoding(source, tokenizer, args.prompts, args.tokens, args.max_new_tokens, device=device,
+                                    generator=args.generator, seed=args.seed, batch_size=args.batch_size,
+                                    temperature=0.0 if args.greedy else args.temperature, top_k=args.top_k,
+                                    top_p=args.top_p, compile=device.type == "cuda" and not args.no_compile)
+    return from_decode(decoded, args.calib, args.tokens)
+
+
+def add_pruning_args(parser):
+    """The flags of how a calibrated model is pruned (not of its calibration): python -m prune's,
+    and what evaluation.compare passes on to every cell with --prune_args."""
+    parser.add_argument("--one-shot", "--one_shot", dest="one_shot", action="store_true",
+                        help="calibrate every layer on the dense model's activations (default: sequential, on the pruned ones)")
+    parser.add_argument("--include", nargs="+", default=["layers.*"], help="globs of block linears to prune")
+    parser.add_argument("--exclude", nargs="+", default=[], help="globs of block linears to keep dense")
+    parser.add_argument("--batch_tokens", type=cli_args.positive_int, default=8192, help="tokens per replay batch")
+
+
+CALIB_HELP = ("calibration source, each on the same --tokens budget of counted tokens: "
+              "text: teacher-forced windows of --text, every position; "
+              "decode: the model's own continuations of --prompts, decode positions only (the paper's rule); "
+              "decode_first: decode plus each sequence's first position (the attention sink); "
+              "generated: the same generated sequences, every position counted (prompt included); "
+              "reference: teacher-forced --prompts with their reference answers (a jsonl field reference, "
+              "answer or code, e.g. MBPP's), every position (default: decode)")
 
 
 def parse_args(argv):
@@ -431,12 +459,12 @@ def parse_args(argv):
     p.add_argument("--checkpoint", "--checkpoint_path", required=True, help="dense source checkpoint (.pth)")
     p.add_argument("--method", choices=list(METHODS), default="sparsegpt")
     p.add_argument("--pattern", default="2:4", help="N:M (2:4, 4:8, 8:16, 16:32) or unstructured percentage (50%%)")
-    p.add_argument("--calib", choices=["decode", "text"], default="decode",
-                   help="decode: decoding-aware (generated continuations, decode positions only); text: teacher-forced windows")
-    p.add_argument("--prompts", help="prompt file for --calib decode (jsonl field prompt/input/text, or one per line)")
+    p.add_argument("--calib", choices=SOURCES, default="decode", help=CALIB_HELP)
+    p.add_argument("--prompts", help="prompt file for every --calib but text (jsonl: field prompt/input/text, optional "
+                   "domain and reference/answer/code; or one prompt per line)")
     p.add_argument("--text", help="corpus for --calib text (jsonl field text, or plain text); 'c4' downloads a C4 shard")
     p.add_argument("--tokens", type=cli_args.positive_int, default=1_000_000,
-                   help="calibration budget: decode tokens (decode) or window tokens (text)")
+                   help="calibration budget: counted tokens (decode_first adds one first position per sequence)")
     p.add_argument("--seq_len", type=cli_args.positive_int, help="window length for --calib text (default: 2048, or the model's context if shorter)")
     p.add_argument("--out", required=True, help="output checkpoint (.pth), written atomically")
     p.add_argument("--generator", help="checkpoint that generates the calibration text (same tokenizer); default: the pruned model")
@@ -450,23 +478,15 @@ def parse_args(argv):
     p.add_argument("--top_p", type=cli_args.top_p, default=0.8)
     p.add_argument("--greedy", action="store_true", help="greedy decoding instead of sampling")
     p.add_argument("--no_compile", action="store_true", help="do not torch.compile the generation on CUDA")
-    p.add_argument("--count_first_token", action="store_true",
-                   help="--calib decode: also count each sequence's first position (the attention-sink token, "
-                   "which every decode step attends to) in the statistics; off by default (the paper counts "
-                   "decode positions only). Text windows count every position already.")
-    p.add_argument("--one-shot", "--one_shot", dest="one_shot", action="store_true",
-                   help="calibrate every layer on the dense model's activations (default: sequential, on the pruned ones)")
-    p.add_argument("--include", nargs="+", default=["layers.*"], help="globs of block linears to prune")
-    p.add_argument("--exclude", nargs="+", default=[], help="globs of block linears to keep dense")
-    p.add_argument("--batch_tokens", type=cli_args.positive_int, default=8192, help="tokens per replay batch")
+    add_pruning_args(p)
     args = p.parse_args(argv)
     parse_pattern(args.pattern)  # raises ValueError naming the problem
-    if args.calib == "decode" and not args.prompts:
-        p.error("--calib decode needs --prompts FILE")
+    if args.calib != "text" and not args.prompts:
+        p.error(f"--calib {args.calib} needs --prompts FILE")
     if args.calib == "text" and not args.text:
         p.error("--calib text needs --text FILE (or --text c4)")
-    if args.calib == "decode" and args.max_new_tokens < 2:  # the first token comes from the prefill
-        p.error("--calib decode needs --max_new_tokens >= 2")
+    if args.calib in DECODE_SOURCES and args.max_new_tokens < 2:  # the first token comes from the prefill
+        p.error(f"--calib {args.calib} needs --max_new_tokens >= 2")
     return args
 
 
@@ -487,8 +507,6 @@ def main(argv=None):
         if args.seq_len > config.block_size:
             raise ValueError(f"--seq_len {args.seq_len} exceeds the model's context of {config.block_size} tokens")
         calibration = build_calibration(args, source, device)
-        if args.count_first_token:
-            calibration = calibration.with_first_positions()
         calibrated = time.perf_counter()
         calibration.info["seconds"] = round(calibrated - started, 2)
         pruned = prune_model(source.model, calibration, args.method, args.pattern, device=device,
@@ -503,7 +521,8 @@ def main(argv=None):
     wall = time.perf_counter() - started
     timing = metadata["timing"]
     print(f"wrote {args.out}: {len(metadata['sparsity']['layers'])} linears {args.method} {args.pattern}, "
-          f"{metadata['calibration']['counted_tokens']} calibration tokens; "
+          f"{metadata['calibration']['counted_tokens']} calibration tokens "
+          f"({args.calib}: {mix_label([metadata['calibration']['mix']])}); "
           f"calibration {calibrated - started:.1f} s, pruning {timing['prune_seconds']:.1f} s (replay "
           f"{timing['replay_seconds']:.1f}, solve {timing['solve_seconds']:.1f}), wall {wall:.1f} s, "
           f"peak memory {timing['peak_memory_bytes'] / 2**30:.2f} GiB ({timing['device']})")

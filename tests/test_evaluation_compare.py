@@ -1,4 +1,5 @@
-"""The comparison runner: seed aggregation, the paper-style table, verdicts, plot, and cells pruned with cached decode calibrations."""
+"""The comparison runner: seed aggregation, the paper-style table (per domain, with the calibration mix),
+verdicts, plot, cells of every source pruned from one cached decode calibration, and the prompt split."""
 import dataclasses
 import json
 import shutil
@@ -8,8 +9,8 @@ import pytest
 import torch
 
 from checkpoint import load_checkpoint, save_checkpoint
-from evaluation.compare import (aggregate, c4_heldout, markdown_table, plot, prune, prune_argv, prune_options,
-                                run_name, verdicts)
+from evaluation.compare import (SOURCES, aggregate, c4_heldout, markdown_table, mix_labels, plot, prune, prune_argv,
+                                prune_options, run_name, verdicts)
 from model import Transformer
 from prune.calibration import text_windows
 from prune.run import main as prune_cli
@@ -20,7 +21,7 @@ from tests.evaluation_tiny_models import TINY
 def fake_runs():
     runs = []
     for seed, (kl_c4, kl_dec, ppl_c4, ppl_dec) in enumerate([(0.30, 0.20, 30.0, 31.0), (0.34, 0.22, 32.0, 33.0)]):
-        runs.append({"method": "sparsegpt", "pattern": "2:4", "calib": "text", "seed": seed,
+        runs.append({"method": "sparsegpt", "pattern": "2:4", "calib": "c4", "seed": seed,
                      "metrics": {"kl": kl_c4, "wikitext2_ppl": ppl_c4, "humaneval_pass@1": 0.1}})
         runs.append({"method": "sparsegpt", "pattern": "2:4", "calib": "decode", "seed": seed,
                      "metrics": {"kl": kl_dec, "wikitext2_ppl": ppl_dec, "humaneval_pass@1": 0.1}})
@@ -29,15 +30,16 @@ def fake_runs():
 
 def test_aggregate_gives_mean_std_and_count_over_seeds():
     table = aggregate(fake_runs())
-    mean, std, n = table["sparsegpt", "2:4", "text"]["kl"]
+    mean, std, n = table["sparsegpt", "2:4", "c4"]["kl"]
     assert mean == pytest.approx(0.32) and std == pytest.approx(0.02 * 2 ** 0.5) and n == 2
 
 
 def test_verdicts_say_which_calibration_wins_per_metric():
     by_metric = {v["metric"]: v for v in verdicts(aggregate(fake_runs()))}
-    assert by_metric["KL(dense||pruned)"]["decode_better"] and by_metric["KL(dense||pruned)"]["beyond_spread"]
-    assert not by_metric["WikiText-2 PPL"]["decode_better"]  # higher perplexity loses
-    assert not by_metric["humaneval_pass@1"]["decode_better"] and by_metric["humaneval_pass@1"]["tie"]
+    assert all(v["source"] == "decode" for v in by_metric.values())
+    assert by_metric["KL(dense||pruned)"]["better"] and by_metric["KL(dense||pruned)"]["beyond_spread"]
+    assert not by_metric["WikiText-2 PPL"]["better"]  # higher perplexity loses
+    assert not by_metric["humaneval_pass@1"]["better"] and by_metric["humaneval_pass@1"]["tie"]
     one_seed = verdicts(aggregate([run for run in fake_runs() if run["seed"] == 0]))
     assert all(v["beyond_spread"] is None for v in one_seed)  # no spread to compare with
 
@@ -46,15 +48,15 @@ def test_table_and_plot(tmp_path):
     table = aggregate(fake_runs())
     text = markdown_table(table, {"wikitext2_ppl": 20.0, "humaneval_pass@1": 0.2})
     lines = text.strip().splitlines()
-    assert len(lines) == 2 + 1 + 2  # header, rule, dense, C4 and decode-aware rows
-    assert "| sparsegpt | 2:4 | C4 | 2 | 0.32 ± 0.02828 |" in text
+    assert len(lines) == 2 + 1 + 2  # header, rule, dense, C4 and decode-only rows
+    assert "| sparsegpt | 2:4 | C4 | - | 2 | 0.32 ± 0.02828 |" in text
     plot(table, {"wikitext2_ppl": 20.0}, tmp_path / "grid.png")
     assert (tmp_path / "grid.png").stat().st_size > 0
 
 
 def test_run_names_are_file_safe():
     assert run_name("wanda", "50%", "decode", 2) == "wanda-50pct-decode-seed2"
-    assert run_name("sparsegpt", "2:4", "text", 0) == "sparsegpt-2of4-text-seed0"
+    assert run_name("sparsegpt", "2:4", "decode_first", 0) == "sparsegpt-2of4-decode_first-seed0"
 
 
 @pytest.fixture(scope="module")
@@ -72,37 +74,109 @@ def checkpoint_with_tokenizer(tmp_path_factory):
     return folder / "model.pth"
 
 
-def test_cells_reuse_the_decode_calibration_and_equal_the_prune_cli(checkpoint_with_tokenizer, tmp_path, monkeypatch):
-    """The first decode cell generates and caches; a second backend reuses the cache; both checkpoints
-    equal what `python -m prune` writes for the same flags, a new seed generates afresh, and each cell
-    reads the dense checkpoint once."""
+def test_cells_of_every_source_equal_the_prune_cli_and_share_one_generation(checkpoint_with_tokenizer, tmp_path,
+                                                                            monkeypatch):
+    """Every source's cell equals what `python -m prune` writes for the same flags (mix included); the
+    first decode-based cell of a seed generates and caches, the others reuse it, a new seed generates
+    afresh, each cell reads the dense checkpoint once, and every source counts the same budget."""
+    from evaluation.compare import cached_calibration
+    from prune import read_source
+
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text('{"prompt": "Once upon a time"}\n{"prompt": "The dog ran"}\n{"prompt": "Lily saw"}\n')
-    args = Namespace(checkpoint=checkpoint_with_tokenizer, calib_max_new_tokens=9, calib_batch_size=2, calib_seq_len=32, tokens=40,
-                     device="cpu", workdir=tmp_path / "grid", calibration_cache=None, prune_args=["--one_shot"])
+    prompts.write_text('{"prompt": "Once upon a time", "domain": "writing"}\n{"prompt": "The dog ran", "domain": "writing"}\n'
+                       '{"prompt": "Lily saw", "domain": "code", "reference": "Lily saw a big red ball in the park. She ran to get it and kicked it high."}\n')
+    args = Namespace(checkpoint=checkpoint_with_tokenizer, calib_max_new_tokens=9, calib_batch_size=2, calib_seq_len=20,
+                     tokens=40, device="cpu", workdir=tmp_path / "grid", calibration_cache=None, prune_args=["--one_shot"])
     args.workdir.mkdir()
-    for method, seed in (("sparsegpt", 0), ("wanda", 0), ("wanda", 1)):
-        cell = args.workdir / f"{method}-{seed}.pth"
+    cells = [("sparsegpt", source, 0) for source in SOURCES] + [("wanda", "decode", 0), ("wanda", "decode", 1)]
+    for method, source, seed in cells:
+        cell = args.workdir / f"{method}-{source}-{seed}.pth"
         reads, real_load = [], torch.load
         with monkeypatch.context() as patch:
             patch.setattr(torch, "load", lambda f, *a, **k: reads.append(str(f)) or real_load(f, *a, **k))
-            prune(args, method, "2:4", "decode", seed, prompts, cell)
+            prune(args, method, "2:4", source, seed, prompts, cell)
         assert reads.count(str(checkpoint_with_tokenizer)) == 1
-        reference = tmp_path / f"cli-{method}-{seed}.pth"
-        prune_cli(prune_argv(args, method, "2:4", "decode", seed, prompts, reference))
+        reference = tmp_path / f"cli-{method}-{source}-{seed}.pth"
+        prune_cli(prune_argv(args, method, "2:4", source, seed, prompts, reference))
         (ours, _, meta), (theirs, _, meta_cli) = load_checkpoint(cell), load_checkpoint(reference)
         assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
-        assert meta["calibration"]["counted_tokens"] == meta_cli["calibration"]["counted_tokens"] == 40
-        assert ("reused_from" in meta["calibration"]) == (method == "wanda" and seed == 0)
+        assert meta["calibration"]["mix"] == meta_cli["calibration"]["mix"] == json.loads(
+            cell.with_suffix(".mix.json").read_text())
+        n_sequences = meta["calibration"]["sequences"]
+        assert meta["calibration"]["counted_tokens"] == 40 + (n_sequences if source == "decode_first" else 0)
+        first_decode_cell = (method, source, seed) in (("sparsegpt", "decode", 0), ("wanda", "decode", 1))
+        assert ("reused_from" in meta["calibration"]) == (source in ("decode", "decode_first", "generated")
+                                                          and not first_decode_cell)
         assert meta["calibration"]["collection"] == "one-shot"
     assert len(list(args.workdir.glob("calibration-decode-40tok-seed*.pt"))) == 2
+    source_model = read_source(checkpoint_with_tokenizer)
+    decode, first, generated = (cached_calibration(args, source_model, s, 0, prompts)
+                                for s in ("decode", "decode_first", "generated"))
+    for calibration in (first, generated):  # the very sequences of the decode set (generated: those the budget holds)
+        assert all(torch.equal(a, b[:len(a)]) for a, b in zip(calibration.sequences, decode.sequences))
+    assert len(first.sequences) == len(decode.sequences) and generated.counted_tokens == 40
+
+
+def test_grid_refuses_held_out_prompts_it_calibrates_on_before_any_work(tmp_path, monkeypatch, capsys):
+    import evaluation.compare as compare
+
+    monkeypatch.setattr(compare, "prompt_rows", lambda *a: (
+        [dict(prompt="Write a poem.", domain="writing", reference=None)],
+        [dict(prompt="Write a poem.  ", domain="writing"), dict(prompt="def f():", domain="code")]))
+    monkeypatch.setattr(compare, "run_name", lambda *a: pytest.fail("work started"))
+    monkeypatch.setattr("sys.argv", ["compare", "--checkpoint", "dense.pth", "--workdir", str(tmp_path / "grid"),
+                                     "--out", str(tmp_path / "r.json")])
+    with pytest.raises(SystemExit) as exit_info:
+        compare.main()
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: 1 of the 2 evaluation prompts are among the calibration prompts (first: 'Write a poem.'); "
+                   "evaluate on held-out prompts"]
+    assert not (tmp_path / "grid" / "calibration_prompts.jsonl").exists()
+
+
+def test_grid_budget_must_be_whole_c4_windows(tmp_path, monkeypatch, capsys):
+    import evaluation.compare as compare
+
+    monkeypatch.setattr("sys.argv", ["compare", "--checkpoint", "dense.pth", "--workdir", str(tmp_path / "grid"),
+                                     "--tokens", "1000", "--calib_seq_len", "512", "--out", str(tmp_path / "r.json")])
+    with pytest.raises(SystemExit) as exit_info:
+        compare.main()
+    assert exit_info.value.code == 2 and "not a multiple of --calib_seq_len 512" in capsys.readouterr().err
+
+
+def test_table_reports_each_domain_and_the_mix_of_each_source(tmp_path):
+    def run(calib, seed, kl_writing, kl_code, writing_tokens):
+        mix = {"counted_tokens": 100, "domains": {"writing": {"tokens": writing_tokens, "prompt_tokens": 0},
+                                                  "code": {"tokens": 100 - writing_tokens, "prompt_tokens": 10}}}
+        metrics = {"kl": (kl_writing + kl_code) / 2, "kl_writing": kl_writing, "kl_code": kl_code,
+                   "top1_agreement_code": 0.5}
+        return {"method": "wanda", "pattern": "50%", "calib": calib, "seed": seed, "calibration_mix": mix,
+                "metrics": metrics}
+    runs = [run("c4", 0, 1.0, 2.0, 100), run("c4", 1, 1.2, 2.2, 100), run("reference", 0, 1.4, 1.0, 30),
+            run("reference", 1, 1.4, 1.2, 10)]
+    table = aggregate(runs)
+    labels = mix_labels(runs)
+    assert labels["wanda", "50%", "reference"] == "code 80% · writing 20%; prompt 10%"
+    text = markdown_table(table, {}, labels)
+    header = text.splitlines()[0]
+    assert "| KL(dense||pruned) | KL(dense||pruned) writing | KL(dense||pruned) code | top-1 agree code |" in header
+    assert "| wanda | 50% | human reference | code 80% · writing 20%; prompt 10% | 2 | 1.25 ± 0.07071 | 1.4 ± 0 | " \
+           "1.1 ± 0.1414 | 0.5 ± 0 |" in text
+    by = {(v["source"], v["metric"]): v for v in verdicts(table)}
+    assert by["reference", "KL(dense||pruned) code"]["better"] and not by["reference", "KL(dense||pruned) writing"]["better"]
+    plot(table, {}, tmp_path / "domains.png")
+    assert (tmp_path / "domains.png").stat().st_size > 0
 
 
 def test_prune_args_pass_on_what_a_grid_may_vary():
-    assert prune_options(["--one_shot", "--count_first_token"]) == {"one_shot": True, "count_first_token": True}
-    assert prune_options(["--exclude", "*.w2"]) == {"exclude": ["*.w2"], "count_first_token": False}
+    defaults = {"one_shot": False, "include": ["layers.*"], "exclude": [], "batch_tokens": 8192}
+    assert prune_options(["--one_shot"]) == dict(defaults, one_shot=True)
+    assert prune_options(["--exclude", "*.w2"]) == dict(defaults, exclude=["*.w2"])
     with pytest.raises(ValueError, match="cannot pass on --greedy"):
         prune_options(["--greedy"])
+    with pytest.raises(ValueError, match="cannot pass on --count_first_token"):  # a source now: --sources decode_first
+        prune_options(["--count_first_token"])
 
 
 def test_grid_caches_each_task_apart_and_existing_only_measures_nothing(tmp_path, monkeypatch):
@@ -116,9 +190,14 @@ def test_grid_caches_each_task_apart_and_existing_only_measures_nothing(tmp_path
         encode = staticmethod(lambda text: [0])
 
     measured = []
-    monkeypatch.setattr(compare, "prompt_split", lambda *a: (["calibrate"], ["held out"]))
+    monkeypatch.setattr(compare, "prompt_rows", lambda *a: ([dict(prompt="calibrate", domain="code", reference=None)],
+                                                             [dict(prompt="held out", domain="writing")]))
     monkeypatch.setattr(compare, "data_path", lambda name: tmp_path / name)
-    monkeypatch.setattr(compare, "prune", lambda args, method, pattern, calib, seed, prompts, out: out.touch())
+
+    def prune(args, method, pattern, calib, seed, prompts, out):
+        out.touch()
+        out.with_suffix(".mix.json").write_text('{"counted_tokens": 4, "domains": {"code": {"tokens": 4, "prompt_tokens": 1}}}')
+    monkeypatch.setattr(compare, "prune", prune)
     monkeypatch.setattr(evaluation.generation, "load_model_and_tokenizer", lambda *a: ("dense", Tokenizer()))
     monkeypatch.setattr(evaluation.generation, "load_model", lambda checkpoint, device: checkpoint.stem)
     monkeypatch.setattr(evaluation.fidelity, "dense_references", lambda *a: [[[1], [2]]])
@@ -133,20 +212,22 @@ def test_grid_caches_each_task_apart_and_existing_only_measures_nothing(tmp_path
 
     def grid(*extra):
         argv = ["--checkpoint", "dense.pth", "--workdir", str(tmp_path / "grid"), "--methods", "wanda", "--patterns",
-                "2:4", "--seeds", "0", "--out", str(tmp_path / "results.json"), *extra]
+                "2:4", "--seeds", "0", "--sources", "c4", "decode", "--out", str(tmp_path / "results.json"), *extra]
         monkeypatch.setattr("sys.argv", ["compare", *argv])
         measured.clear()
         compare.main()
         return measured[:]
 
-    assert grid() == ["dense", "wanda-2of4-text-seed0", "wanda-2of4-decode-seed0"]
-    assert grid("--tasks", "humaneval") == [("humaneval", "dense"), ("humaneval", "wanda-2of4-text-seed0"),
+    assert grid() == ["dense", "wanda-2of4-c4-seed0", "wanda-2of4-decode-seed0"]
+    assert grid("--tasks", "humaneval") == [("humaneval", "dense"), ("humaneval", "wanda-2of4-c4-seed0"),
                                             ("humaneval", "wanda-2of4-decode-seed0")]
     assert grid("--tasks", "humaneval", "mbpp", "--existing_only") == []
-    runs = json.loads((tmp_path / "results.json").read_text())["runs"]
-    assert all(run["metrics"] == {"kl": 1.0, "humaneval_pass@1": 0.5} for run in runs)
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert all(run["metrics"] == {"kl": 1.0, "humaneval_pass@1": 0.5} for run in results["runs"])
+    assert all(run["calibration_mix"]["counted_tokens"] == 4 for run in results["runs"])
+    assert "| wanda | 2:4 | C4 | code 100%; prompt 25% | 1 |" in results["table_markdown"]
     assert grid("--c4_ppl_tokens", "8", "--existing_only") == []
-    assert grid("--c4_ppl_tokens", "8") == [("c4", "dense"), ("c4", "wanda-2of4-text-seed0"),
+    assert grid("--c4_ppl_tokens", "8") == [("c4", "dense"), ("c4", "wanda-2of4-c4-seed0"),
                                             ("c4", "wanda-2of4-decode-seed0")]
     assert grid("--c4_ppl_tokens", "8", "--tasks", "humaneval") == []
     runs = json.loads((tmp_path / "results.json").read_text())["runs"]
@@ -183,6 +264,6 @@ def test_heldout_c4_documents_never_reach_a_text_calibration(tmp_path):
 
 
 def test_a_metric_on_fewer_seeds_than_its_row_says_so():
-    runs = fake_runs() + [{"method": "sparsegpt", "pattern": "2:4", "calib": "text", "seed": 2, "metrics": {"kl": 0.32}}]
+    runs = fake_runs() + [{"method": "sparsegpt", "pattern": "2:4", "calib": "c4", "seed": 2, "metrics": {"kl": 0.32}}]
     text = markdown_table(aggregate(runs), {})
-    assert "| sparsegpt | 2:4 | C4 | 3 | 0.32 ± 0.02 | 31 ± 1.414 (n=2) | 0.1 ± 0 (n=2) |" in text
+    assert "| sparsegpt | 2:4 | C4 | - | 3 | 0.32 ± 0.02 | 31 ± 1.414 (n=2) | 0.1 ± 0 (n=2) |" in text

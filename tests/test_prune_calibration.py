@@ -1,13 +1,15 @@
-"""Calibration sources and statistics: text windows, prompt files, H accumulation, and the
-decoding-aware set checked against the layer inputs of a real KV-cached decode."""
+"""Calibration sources and statistics: text windows, prompt files, H accumulation, the
+decoding-aware set checked against the layer inputs of a real KV-cached decode, and the positions
+and mix of every source against hand-computed ones."""
 import json
 
 import pytest
 import torch
 
 from model import ModelArgs, Transformer
-from prune.calibration import (CalibrationError, CalibrationSet, InputStatistics, decode_calibration,
-                               generation_calibration, read_prompts, text_windows)
+from prune.calibration import (SOURCES, CalibrationError, CalibrationSet, InputStatistics, decode_calibration,
+                               from_decode, generation_calibration, prompt_digest, prompt_file_record,
+                               read_prompt_rows, read_prompts, reference_calibration, text_windows)
 from prune.run import BlockReplay
 
 
@@ -32,6 +34,7 @@ def test_text_windows_are_seeded_non_overlapping_and_all_counted(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(calibration.sequences, again.sequences))
     assert not all(torch.equal(a, b) for a, b in zip(calibration.sequences, other.sequences))
     assert calibration.info["kind"] == "text"
+    assert calibration.mix() == {"counted_tokens": 1024, "domains": {"docs": {"tokens": 1024, "prompt_tokens": 0}}}
     with pytest.raises(CalibrationError, match="fewer than"):
         text_windows(ByteTokenizer(), corpus, n_tokens=10**6, window_len=128, seed=0)
 
@@ -48,6 +51,20 @@ def test_prompt_files(tmp_path):
         read_prompts(jsonl)
     with pytest.raises(CalibrationError, match="not found"):
         read_prompts(tmp_path / "missing.jsonl")
+
+
+def test_prompt_rows_carry_domain_and_reference(tmp_path):
+    jsonl = tmp_path / "mixed.jsonl"
+    jsonl.write_text('{"prompt": "essay", "domain": "writing"}\n{"text": "add two", "code": "def f(a, b): ..."}\n'
+                     '{"prompt": "q", "domain": "code", "reference": "r"}\n')
+    assert read_prompt_rows(jsonl) == [dict(prompt="essay", domain="writing", reference=None),
+                                       dict(prompt="add two", domain="mixed", reference="def f(a, b): ..."),
+                                       dict(prompt="q", domain="code", reference="r")]
+    txt = tmp_path / "lines.txt"
+    txt.write_text("one\ntwo\n")
+    assert [row["domain"] for row in read_prompt_rows(txt)] == ["lines", "lines"]
+    record = prompt_file_record(jsonl, read_prompt_rows(jsonl))
+    assert record["prompt_sha256"][0] == prompt_digest("  essay\n") != prompt_digest("Essay")
 
 
 def test_input_statistics_accumulate_only_counted_positions():
@@ -197,3 +214,62 @@ def test_cuda_statistics_from_bf16_inputs_match_float64():
     reference = 2 * X.T @ X / X.shape[0]
     assert stats.n_tokens == X.shape[0]
     assert ((stats.hessian.double() - reference).norm() / reference.norm()) < 1e-5
+
+
+def hand_made_decode_set() -> CalibrationSet:
+    """Two generated sequences as generation_calibration leaves them: prompt [11, 12, 13] + decode
+    [21, 22, 23] (domain writing) and prompt [14, 15] + decode [24, 25] (domain code); 5 decode tokens."""
+    return CalibrationSet([torch.tensor([11, 12, 13, 21, 22, 23]), torch.tensor([14, 15, 24, 25])],
+                          [torch.tensor([0, 0, 0, 1, 1, 1], dtype=torch.bool), torch.tensor([0, 0, 1, 1], dtype=torch.bool)],
+                          dict(kind="decode"), ["writing", "code"], [3, 2])
+
+
+def counted_tokens(calibration: CalibrationSet) -> list:
+    return [s[c].tolist() for s, c in zip(calibration.sequences, calibration.counted)]
+
+
+def test_each_decode_source_counts_its_positions_of_the_same_sequences():
+    decode = hand_made_decode_set()
+    by_source = {source: from_decode(decode, source, n_tokens=5) for source in ("decode", "decode_first", "generated")}
+    assert counted_tokens(by_source["decode"]) == [[21, 22, 23], [24, 25]]
+    assert counted_tokens(by_source["decode_first"]) == [[11, 21, 22, 23], [14, 24, 25]]
+    assert counted_tokens(by_source["generated"]) == [[11, 12, 13, 21, 22]]  # every position, cut at the budget
+    for calibration in by_source.values():  # the very text of the decode set: a prefix of each sequence
+        assert all(torch.equal(s, d[:len(s)]) for s, d in zip(calibration.sequences, decode.sequences))
+    assert by_source["decode"].counted_tokens == by_source["generated"].counted_tokens == 5
+    assert by_source["decode_first"].counted_tokens == 5 + 2  # one first position per sequence
+    assert by_source["decode"].mix() == {"counted_tokens": 5, "domains": {
+        "writing": {"tokens": 3, "prompt_tokens": 0}, "code": {"tokens": 2, "prompt_tokens": 0}}}
+    assert by_source["decode_first"].mix()["domains"] == {"writing": {"tokens": 4, "prompt_tokens": 1},
+                                                          "code": {"tokens": 3, "prompt_tokens": 1}}
+    assert by_source["generated"].mix() == {"counted_tokens": 5, "domains": {"writing": {"tokens": 5, "prompt_tokens": 3}}}
+    assert by_source["generated"].info["kind"] == "generated" and decode.info["kind"] == "decode"  # copies
+    with pytest.raises(ValueError, match="not made from generations"):
+        from_decode(decode, "reference", 5)
+    assert set(SOURCES) == {"text", "reference", "decode", "decode_first", "generated"}
+
+
+def test_reference_source_is_each_prompt_then_its_answer_every_position_counted():
+    tokenizer = ByteTokenizer()  # no chat template: a prompt is BOS + its bytes
+    rows = [dict(prompt="ab", domain="writing", reference=None), dict(prompt="cd", domain="code", reference="xyz"),
+            dict(prompt="e", domain="code", reference="uvw")]
+    calibration = reference_calibration(tokenizer, rows, n_tokens=10)
+    byte = lambda text: [b % 90 + 2 for b in text.encode()]  # noqa: E731
+    assert counted_tokens(calibration) == [[1, *byte("ab")], [1, *byte("cd"), *byte("xyz")], [1]]
+    assert calibration.counted_tokens == 10 and all(c.all() for c in calibration.counted)
+    assert calibration.mix() == {"counted_tokens": 10, "domains": {"writing": {"tokens": 3, "prompt_tokens": 3},
+                                                                   "code": {"tokens": 7, "prompt_tokens": 4}}}
+    assert calibration.info["kind"] == "reference" and calibration.info["references"] == 2
+    with pytest.raises(CalibrationError, match="hold 14 tokens, fewer than the 15 asked for"):
+        reference_calibration(tokenizer, rows, n_tokens=15)
+
+
+def test_generated_sequences_are_labelled_with_their_prompts_domain():
+    pytest.importorskip("generate")
+    calibration = decode_calibration(tiny_model(), ByteTokenizer(), ["ab", "cde", "f"], n_tokens=40, max_new_tokens=6,
+                                     domains=["writing", "code", "code"], seed=3, batch_size=2)
+    for i, (domain, prompt_len) in enumerate(zip(calibration.domains, calibration.prompt_lengths, strict=True)):
+        assert domain == ["writing", "code", "code"][i % 3] and prompt_len == [3, 4, 2][i % 3]
+        assert not calibration.counted[i][:prompt_len].any() and calibration.counted[i][prompt_len:].all()
+    mix = calibration.mix()
+    assert mix["counted_tokens"] == 40 and sum(d["tokens"] for d in mix["domains"].values()) == 40

@@ -10,7 +10,7 @@ import torch
 import prune.run
 from checkpoint import load_checkpoint, save_checkpoint
 from model import ModelArgs, Transformer
-from prune.calibration import CalibrationSet
+from prune.calibration import CalibrationSet, prompt_digest
 from prune import prune_model, read_source
 from prune.run import main
 from prune.wanda import wanda_prune
@@ -244,7 +244,8 @@ def assert_exits_with_one_line(run, capsys, prefix, message):
     assert len(lines) == 1 and lines[0].startswith(prefix) and message in lines[0], lines
 
 
-@pytest.mark.parametrize("argv", [["--calib", "decode"], ["--calib", "text", "--text", "t.txt", "--tokens", "0"],
+@pytest.mark.parametrize("argv", [["--calib", "decode"], ["--calib", "reference"], ["--calib", "generated"],
+                                  ["--calib", "text", "--text", "t.txt", "--tokens", "0"],
                                   ["--method", "obs"]])
 def test_cli_usage_errors(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -361,8 +362,7 @@ def checkpoints_with_tokenizer(tmp_path_factory):
     return paths
 
 
-@pytest.mark.parametrize("extra", [[], ["--count_first_token"]])  # text windows count every position already
-def test_cli_text_calibration(extra, checkpoints_with_tokenizer, tmp_path):
+def test_cli_text_calibration(checkpoints_with_tokenizer, tmp_path):
     from tests.conftest import SHARED
     text = SHARED / "data" / "wikitext2_test.raw"
     if not text.is_file():
@@ -370,29 +370,52 @@ def test_cli_text_calibration(extra, checkpoints_with_tokenizer, tmp_path):
     target, _ = checkpoints_with_tokenizer
     out = tmp_path / "pruned.pth"
     main(["--checkpoint", str(target), "--method", "wanda", "--pattern", "50%", "--calib", "text", "--text", str(text),
-          "--tokens", "300", "--seq_len", "64", "--device", "cpu", "--out", str(out)] + extra)
+          "--tokens", "300", "--seq_len", "64", "--device", "cpu", "--out", str(out)])
     state_dict, _, metadata = load_checkpoint(out)
     assert metadata["calibration"]["kind"] == "text" and metadata["calibration"]["counted_tokens"] == 5 * 64
+    assert metadata["calibration"]["mix"] == {"counted_tokens": 320,
+                                              "domains": {"wikitext2_test": {"tokens": 320, "prompt_tokens": 0}}}
     assert metadata["tokenizer_dir"] == str(target.parent.parent.resolve())
     assert (state_dict["layers.1.feed_forward.w2.weight"] == 0).float().mean() == 0.5
 
 
-@pytest.mark.parametrize("extra, counted", [([], 14), (["--count_first_token"], 16)])
-def test_cli_cross_model_decode_calibration(extra, counted, checkpoints_with_tokenizer, tmp_path):
+@pytest.mark.parametrize("calib, counted", [("decode", 14), ("decode_first", 16), ("generated", None)])
+def test_cli_cross_model_decode_calibration(calib, counted, checkpoints_with_tokenizer, tmp_path):
     target, generator = checkpoints_with_tokenizer
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("Once upon a time\nThe cat sat\n")
     out = tmp_path / "pruned.pth"
     main(["--checkpoint", str(target), "--generator", str(generator), "--method", "sparsegpt", "--pattern", "2:4",
-          "--calib", "decode", "--prompts", str(prompts), "--tokens", "30", "--max_new_tokens", "8",
-          "--batch_size", "2", "--greedy", "--device", "cpu", "--out", str(out)] + extra)
+          "--calib", calib, "--prompts", str(prompts), "--tokens", "30", "--max_new_tokens", "8",
+          "--batch_size", "2", "--greedy", "--device", "cpu", "--out", str(out)])
     _, _, metadata = load_checkpoint(out)
     calibration = metadata["calibration"]
-    assert calibration["kind"] == "decode" and calibration["sampling"] == {"greedy": True}
+    assert calibration["kind"] == calib and calibration["sampling"] == {"greedy": True}
     assert calibration["generator"] == str(generator.resolve()) and calibration["prompt_file"] == str(prompts)
-    # greedy: one pass over 2 prompts, 7 decode steps each (+ each prompt's first position with --count_first_token)
-    assert calibration["counted_tokens"] == counted
-    assert calibration.get("first_position_counted", False) == bool(extra)
+    # greedy: one pass over 2 prompts, 7 decode steps each; decode_first adds each first position;
+    # generated counts every position of the same two sequences, under the budget of 30: both prompts too
+    from tokenizer import load_tokenizer
+    tokenizer = load_tokenizer(target.parent.parent / "tok512.bin")
+    prompt_lengths = sum(len(tokenizer.encode(p, bos=True)) for p in ("Once upon a time", "The cat sat"))
+    counted = counted or 14 + prompt_lengths
+    assert calibration["counted_tokens"] == counted == calibration["mix"]["counted_tokens"]
+    prompt_tokens = calibration["mix"]["domains"]["prompts"]["prompt_tokens"]
+    assert prompt_tokens == {"decode": 0, "decode_first": 2, "generated": prompt_lengths}[calib]
+    assert calibration.get("first_position_counted", False) == (calib == "decode_first")
+
+
+def test_cli_reference_calibration_reads_prompts_with_their_answers(checkpoints_with_tokenizer, tmp_path):
+    target, _ = checkpoints_with_tokenizer
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "Tell a story", "domain": "writing"}\n'
+                       '{"text": "Add two numbers", "code": "def add(a, b):\\n    return a + b"}\n')
+    out = tmp_path / "pruned.pth"
+    main(["--checkpoint", str(target), "--method", "wanda", "--pattern", "2:4", "--calib", "reference", "--prompts",
+          str(prompts), "--tokens", "12", "--device", "cpu", "--out", str(out)])
+    calibration = load_checkpoint(out)[2]["calibration"]
+    assert calibration["kind"] == "reference" and calibration["counted_tokens"] == 12
+    assert set(calibration["mix"]["domains"]) == {"writing", "prompts"}
+    assert calibration["prompt_sha256"] == [prompt_digest("Tell a story"), prompt_digest("Add two numbers")]
 
 
 @pytest.mark.parametrize("calib", ["text", "decode"])
