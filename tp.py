@@ -66,10 +66,10 @@ def process_device(device: str) -> str:
     a process, whatever index was asked for); the CPU, or one process, keeps `device`."""
     if world_size() == 1 or not str(device).startswith("cuda"):
         return str(device)
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if local_rank >= torch.cuda.device_count():
-        raise ValueError(f"torchrun started a process for GPU {local_rank} but this machine has "
-                         f"{torch.cuda.device_count()} GPU(s): use --nproc_per_node={torch.cuda.device_count()} or fewer")
+    local_rank, here = int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", world_size()))
+    if here > torch.cuda.device_count():  # every rank sees this alike, so rank 0 reports it
+        raise ValueError(f"torchrun started {here} processes on this machine but it has {torch.cuda.device_count()} "
+                         f"GPU(s): use --nproc_per_node={torch.cuda.device_count()} or fewer")
     torch.cuda.set_device(local_rank)
     return f"cuda:{local_rank}"
 
@@ -87,30 +87,38 @@ def destroy_process_group():
         dist.destroy_process_group()
 
 
+def from_main_process(value):
+    """Rank 0's `value` on every rank (the value itself in one process): for decisions every rank
+    must take alike, such as a seed or whether to start another run."""
+    if world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def shared_seed(seed):
-    """`seed`, or where it is None a seed drawn by rank 0 and sent to every rank: sampling must
-    draw the same noise on every rank for all of them to pick the same token."""
+    """`seed`, or where it is None a seed drawn by rank 0: sampling must draw the same noise on
+    every rank for all of them to pick the same token."""
     if seed is not None or world_size() == 1:
         return seed
-    drawn = [random.SystemRandom().randrange(2**63) if is_main_process() else None]
-    dist.broadcast_object_list(drawn, src=0)
-    return drawn[0]
+    return from_main_process(random.SystemRandom().randrange(2**63) if is_main_process() else None)
 
 
 def input_on_main_process(prompt: str) -> str:
     """input(prompt) read by rank 0 and handed to every rank; EOFError on every rank at the end."""
     if world_size() == 1:
         return input(prompt)
-    line = [None]
+    line = None
     if is_main_process():
         try:
-            line[0] = input(prompt)
+            line = input(prompt)
         except EOFError:
             pass
-    dist.broadcast_object_list(line, src=0)
-    if line[0] is None:
+    line = from_main_process(line)
+    if line is None:
         raise EOFError
-    return line[0]
+    return line
 
 
 def silence_other_ranks():
