@@ -141,3 +141,12 @@ def test_generate_refuses_a_world_size_the_model_cannot_split(checkpoints, kind,
                      timeout=120, WORLD_SIZE=str(world_size))
     lines = [line for line in rank0.stderr.splitlines() if line.strip()]
     assert rank0.returncode == 2 and len(lines) == 1 and message in lines[0], rank0.stderr
+
+
+def test_more_processes_than_gpus_is_refused(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ValueError, match="torchrun started 4 processes on this machine but it has 2 GPU"):
+        tp.process_device("cuda")
+    assert tp.process_device("cpu") == "cpu"
