@@ -515,11 +515,11 @@ def run(args):
     tp.silence_other_ranks()
     model = load_model(args.checkpoint, args.device, dtype, shard=tp.shard)
     tp.init_process_group(args.device)
-    args.seed = tp.shared_seed(args.seed)
+    generator = None if args.seed is not None else tp.shared_generator(args.device)
     tokenizer = load_tokenizer(args.tokenizer or find_tokenizer(args.checkpoint))
     print(f"Loaded {args.checkpoint} on {args.device} ({dtype}) in {time.perf_counter() - start:.1f} s", flush=True)
     sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, eos_ids=tokenizer.eos_ids,
-                    seed=args.seed, compile=args.compile, compile_prefill=args.compile_prefill)
+                    seed=args.seed, generator=generator, compile=args.compile, compile_prefill=args.compile_prefill)
     if args.interactive:
         return chat_loop(model, tokenizer, args.max_new_tokens, sampling)
 

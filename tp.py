@@ -97,12 +97,15 @@ def from_main_process(value):
     return box[0]
 
 
-def shared_seed(seed):
-    """`seed`, or where it is None a seed drawn by rank 0: sampling must draw the same noise on
-    every rank for all of them to pick the same token."""
-    if seed is not None or world_size() == 1:
-        return seed
-    return from_main_process(random.SystemRandom().randrange(2**63) if is_main_process() else None)
+def shared_generator(device):
+    """Under torchrun, a random generator on `device` seeded alike on every rank (rank 0 draws the
+    seed); None in one process. Sampling must draw the same noise on every rank for all of them to
+    pick the same token, and torch's default generators may drift apart between ranks (the kernel
+    tuners draw random inputs from them)."""
+    if world_size() == 1:
+        return None
+    seed = from_main_process(random.SystemRandom().randrange(2**63) if is_main_process() else None)
+    return torch.Generator(device).manual_seed(seed)
 
 
 def input_on_main_process(prompt: str) -> str:

@@ -43,6 +43,14 @@ def test_sharded_logits_and_greedy_tokens_equal_one_process(sharded, reference, 
         assert all(torch.equal(g, e) for g, e in zip(got["generated"], expected["generated"]))
 
 
+def test_every_rank_samples_the_same_tokens_without_a_seed(sharded):
+    world_size, ranks = sharded
+    first, second = ranks[0]["sampled"]
+    for results in ranks[1:]:
+        assert all(torch.equal(a, b) for call, ours in zip(results["sampled"], (first, second)) for a, b in zip(call, ours))
+    assert any(not torch.equal(a, b) for a, b in zip(first, second))  # the generator moves on between calls
+
+
 def test_the_shard_holds_a_share_of_every_split_layer():
     model = tp.shard(tiny_model("2:4"), rank_index=1, ranks=4)
     attention, feed_forward = model.layers[0].attention, model.layers[0].feed_forward

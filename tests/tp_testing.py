@@ -117,6 +117,12 @@ def main(out_dir: str):
 
     tp.init_process_group("cpu")
     results = run_every_case(lambda kind: tp.shard(tiny_model(kind)))
+    # Sampling without a seed: rank 0's seed, and each call's noise following on from the last.
+    import generate
+
+    model, generator = tp.shard(tiny_model("dense")), tp.shared_generator("cpu")
+    results["sampled"] = [generate.generate(model, [torch.tensor(p) for p in BATCHES[3]], DECODE_STEPS,
+                                            temperature=1.0, generator=generator).new_tokens for _ in range(2)]
     torch.save(results, Path(out_dir) / f"rank{tp.rank()}.pt")
     tp.destroy_process_group()
 
