@@ -2,6 +2,7 @@
 
     python generate.py --checkpoint checkpoints/SmolLM2-135M-Instruct/model.pth --prompt "Hello" --chat
     python generate.py --checkpoint_path model.pth --prompt "Once upon a time" --compile --max_new_tokens 200
+    torchrun --nproc_per_node=2 generate.py --checkpoint model.pth --compile   # tensor parallel (tp.py)
 
 The decode step is one small function so that, on CUDA, `torch.compile(mode="reduce-overhead")`
 captures the whole step (32 layers, sampling included) into one CUDA graph. Nothing in the loop

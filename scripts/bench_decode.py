@@ -235,7 +235,8 @@ def bench_model(name: str, sparse_patterns: list, remaining, args, rows: list):
             if pattern != "dense":
                 repack_in_place(model, pattern)
             step_bytes = generate.bytes_read_per_step(model, batch_size)["total"]
-            timing = time_decode(model, batch_size, args, label=f"{name}_{pattern}_b{batch_size}")
+            label = f"{name}_{pattern}_b{batch_size}" + (f"_rank{tp.rank()}" if tp.world_size() > 1 else "")
+            timing = time_decode(model, batch_size, args, label=label)
             step_s = timing["median_step_s"]
             row.update(timing, **throughput(step_s, batch_size, step_bytes, args.copy_bandwidth),
                        bound_speedup=round(dense_bytes(name, batch_size, args) / step_bytes, 3),
