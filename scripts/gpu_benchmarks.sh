@@ -26,7 +26,7 @@ PYTHON=${PYTHON:-python3}
 PYTEST="$PYTHON -m pytest -v -o console_output_style=times -m gpu"  # each test's time, so a cut run says where it went
 GPTFAST=.gptfast
 
-SECTIONS=(tests_spmv tests_spmm tests_mma_sp tests_linear tests_engine
+SECTIONS=(tests_spmv tests_spmm tests_mma_sp tests_linear tests_engine tests_tp2
           kernel_b1 kernel_b4 kernel_b816 kernel_prefill kernel_chain attention
           decode_b1 decode_batches decode_b16 decode_qwen3 decode_qwen3_32b dense_spread prune prune_1m
           tp70b_dense_tp2_b1 tp70b_dense_tp2_b8 tp70b_2of4_b1 tp70b_2of4_b8 tp70b_2of4_tp2_b1 tp70b_2of4_tp2_b8)
@@ -38,8 +38,9 @@ tests_mma_sp() { $PYTEST tests/test_sparse_kernels_mma_sp.py; }
 tests_linear() { $PYTEST tests/test_sparse_linear.py; }
 tests_engine() {
   $PYTEST tests --ignore=tests/test_sparse_kernels_spmv.py --ignore=tests/test_sparse_kernels_spmm.py \
-    --ignore=tests/test_sparse_kernels_mma_sp.py --ignore=tests/test_sparse_linear.py
+    --ignore=tests/test_sparse_kernels_mma_sp.py --ignore=tests/test_sparse_linear.py --ignore=tests/test_tp.py
 }
+tests_tp2() { $PYTEST tests/test_tp.py; }  # tensor parallel over two GPUs
 
 # The sparse kernels against cuBLAS on every linear shape of the four models ("Sparse kernel").
 kernel_b1() { $PYTHON scripts/bench_kernel.py --batches 1 --out-md "$JOB/table.md" --out-json "$JOB/table.json"; }

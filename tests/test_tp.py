@@ -104,7 +104,8 @@ def test_a_packed_split_off_32_column_words_is_refused():
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """A dense and a packed tiny checkpoint, each with a word-level tokenizer.json beside it."""
+    """Tiny checkpoints, dense (Qwen3) and packed 2:4 (one with wo's 64 input columns: 32 a rank at 2
+    processes, 16 at 4, refused), each with a word-level tokenizer.json beside it."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     folder = tmp_path_factory.mktemp("tp_cli")
@@ -112,24 +113,24 @@ def checkpoints(tmp_path_factory):
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     paths = {}
-    for kind in ("dense", "2:4"):
+    for kind in ("dense", "2:4", "2:4-narrow"):
         (folder / kind.replace(":", "of")).mkdir()
         paths[kind] = folder / kind.replace(":", "of") / "model.pth"
         tokenizer.save(str(paths[kind].with_name("tokenizer.json")))
     model = tiny_model("qwen3")
     save_checkpoint(paths["dense"], model.state_dict(), model.config)
-    packed = tiny_model("2:4", dim=64, head_dim=8)  # wo's 64 input columns: 32 a rank at 2, 16 at 4 (refused)
-    save_checkpoint(paths["2:4"], packed.state_dict(), packed.config,
-                    {"sparsity": {"format": "bitmask-v2", "pattern": "2:4"}})
+    for kind, packed in (("2:4", tiny_model("2:4")), ("2:4-narrow", tiny_model("2:4", dim=64, head_dim=8))):
+        save_checkpoint(paths[kind], packed.state_dict(), packed.config,
+                        {"sparsity": {"format": "bitmask-v2", "pattern": "2:4"}})
     return paths
 
 
-GREEDY = ["--device", "cpu", "--prompt", "w1 w5 w9", "--max_new_tokens", "6", "--temperature", "0", "--batch_size", "2"]
+GREEDY = ["--prompt", "w1 w5 w9", "--max_new_tokens", "6", "--temperature", "0", "--batch_size", "2"]
 
 
-def test_torchrun_generate_prints_the_same_greedy_text_as_one_process(checkpoints):
-    arguments = [str(REPO / "generate.py"), "--checkpoint", str(checkpoints["2:4"]), *GREEDY]
-    single = subprocess.run([sys.executable, *arguments], capture_output=True, text=True, cwd=REPO, timeout=120)
+def assert_torchrun_prints_the_text_of_one_process(checkpoint, *options):
+    arguments = [str(REPO / "generate.py"), "--checkpoint", str(checkpoint), *GREEDY, *options]
+    single = subprocess.run([sys.executable, *arguments], capture_output=True, text=True, cwd=REPO, timeout=300)
     assert single.returncode == 0, single.stderr
     parallel = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                                *arguments], capture_output=True, text=True, cwd=REPO, timeout=300)
@@ -139,13 +140,28 @@ def test_torchrun_generate_prints_the_same_greedy_text_as_one_process(checkpoint
     assert parallel.stdout.count("Loaded") == 1  # rank 1 prints nothing
 
 
+def test_torchrun_generate_prints_the_same_greedy_text_as_one_process(checkpoints):
+    assert_torchrun_prints_the_text_of_one_process(checkpoints["2:4"], "--device", "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.parametrize("kind", ["dense", "2:4"])
+def test_torchrun_on_two_gpus_compiled_prints_the_text_of_one_gpu(checkpoints, kind):
+    """NCCL, the all-reduces inside the CUDA graph, the decode-attention kernel on each rank's heads
+    and (2:4) the sparse kernels on each rank's slices; float32, so rounding cannot flip a token."""
+    assert_torchrun_prints_the_text_of_one_process(checkpoints[kind], "--device", "cuda", "--dtype", "float32",
+                                                   "--compile")
+
+
 @pytest.mark.parametrize("kind, world_size, message", [
     ("dense", 3, "4 key/value heads to divide evenly"),
-    ("2:4", 4, "16-column slice of the packed layer layers.0.attention.wo"),
+    ("2:4-narrow", 4, "16-column slice of the packed layer layers.0.attention.wo"),
 ])
 def test_generate_refuses_a_world_size_the_model_cannot_split(checkpoints, kind, world_size, message):
     """Rank 0 alone: the refusal comes before the process group waits for the others."""
-    [rank0] = launch(1, [sys.executable, str(REPO / "generate.py"), "--checkpoint", str(checkpoints[kind]), *GREEDY],
+    [rank0] = launch(1, [sys.executable, str(REPO / "generate.py"), "--checkpoint", str(checkpoints[kind]), *GREEDY,
+                         "--device", "cpu"],
                      timeout=120, WORLD_SIZE=str(world_size))
     lines = [line for line in rank0.stderr.splitlines() if line.strip()]
     assert rank0.returncode == 2 and len(lines) == 1 and message in lines[0], rank0.stderr
