@@ -203,14 +203,15 @@ def repack_in_place(model, pattern: str):
     holds the buffers' addresses) runs the new pattern without recompiling.
     """
     import sparse
+    from tqdm import tqdm
 
-    for module in model.modules():
-        if isinstance(module, sparse.SparseLinear):
-            weight = torch.randn(module.out_features, module.in_features, device=module.values.device) * 0.02
-            values, mask = sparse.pack(weight.to(module.values.dtype), pattern)
-            module.values.copy_(values)
-            module.mask.copy_(mask)
-            module.pattern = pattern
+    layers = [module for module in model.modules() if isinstance(module, sparse.SparseLinear)]
+    for module in tqdm(layers, desc=f"packing {pattern}", unit="layer", disable=not tp.is_main_process()):
+        weight = torch.randn(module.out_features, module.in_features, device=module.values.device) * 0.02
+        values, mask = sparse.pack(weight.to(module.values.dtype), pattern)
+        module.values.copy_(values)
+        module.mask.copy_(mask)
+        module.pattern = pattern
 
 
 def bench_model(name: str, sparse_patterns: list, remaining, args, rows: list):
