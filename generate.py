@@ -2,6 +2,7 @@
 
     python generate.py --checkpoint checkpoints/SmolLM2-135M-Instruct/model.pth --prompt "Hello" --chat
     python generate.py --checkpoint_path model.pth --prompt "Once upon a time" --compile --max_new_tokens 200
+    torchrun --nproc_per_node=2 generate.py --checkpoint model.pth --compile   # tensor parallel (tp.py)
 
 The decode step is one small function so that, on CUDA, `torch.compile(mode="reduce-overhead")`
 captures the whole step (32 layers, sampling included) into one CUDA graph. Nothing in the loop
@@ -38,6 +39,7 @@ from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import cli_args
+import tp
 from checkpoint import CheckpointError, load_checkpoint
 from model import Attention, KVCache, Transformer
 from tokenizer import find_tokenizer, load_tokenizer
@@ -54,10 +56,14 @@ ARGMAX_CHUNKS = 64
 # Loading
 
 
-def load_model(checkpoint_path, device="cuda", dtype=torch.bfloat16) -> Transformer:
-    """A ready-to-run Transformer, dense or packed-sparse depending on the checkpoint's metadata."""
+def load_model(checkpoint_path, device="cuda", dtype=torch.bfloat16, shard=None) -> Transformer:
+    """A ready-to-run Transformer, dense or packed-sparse depending on the checkpoint's metadata.
+    shard: a function applied to the model while its tensors are still the checkpoint's (memory-
+    mapped, on the CPU), before it moves to `device`: tp.shard keeps a tensor-parallel rank's slices."""
     state_dict, config, metadata = load_checkpoint(checkpoint_path)
     model = model_from_state_dict(state_dict, config, metadata, checkpoint_path)
+    if shard is not None:
+        model = shard(model)
     # Module.to(dtype) casts floating-point tensors only, so sparse bitmasks stay int32.
     model = model.to(device=device, dtype=dtype).eval()
     if model.tok_embeddings.weight.is_cuda:
@@ -476,6 +482,8 @@ def main(argv=None):
     try:
         run(args)
     except (CheckpointError, ValueError, FileNotFoundError) as e:  # bad input: a usage error
+        if not tp.is_main_process():  # under torchrun every rank meets the same bad input; rank 0 says it
+            sys.exit(2)
         cli_args.exit_with_error(e)
     except (OSError, RuntimeError) as e:
         message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -483,6 +491,8 @@ def main(argv=None):
         sys.exit(1)
     except KeyboardInterrupt:
         sys.exit(130)
+    finally:
+        tp.destroy_process_group()
 
 
 def parse_args(argv=None):
@@ -513,11 +523,16 @@ def run(args):
         raise ValueError("--device cuda was asked for but no CUDA device is available")
     dtype = getattr(torch, args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))
     start = time.perf_counter()
-    model = load_model(args.checkpoint, args.device, dtype)
+    # Under torchrun (tp.py): each process takes its GPU and its slices of the model, then joins the others.
+    args.device = tp.process_device(args.device)
+    tp.silence_other_ranks()
+    model = load_model(args.checkpoint, args.device, dtype, shard=tp.shard)
+    tp.init_process_group(args.device)
+    generator = None if args.seed is not None else tp.shared_generator(args.device)
     tokenizer = load_tokenizer(args.tokenizer or find_tokenizer(args.checkpoint))
     print(f"Loaded {args.checkpoint} on {args.device} ({dtype}) in {time.perf_counter() - start:.1f} s", flush=True)
     sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, eos_ids=tokenizer.eos_ids,
-                    seed=args.seed, compile=args.compile, compile_prefill=args.compile_prefill)
+                    seed=args.seed, generator=generator, compile=args.compile, compile_prefill=args.compile_prefill)
     if args.interactive:
         return chat_loop(model, tokenizer, args.max_new_tokens, sampling)
 
@@ -538,7 +553,8 @@ def run(args):
         texts = [args.prompt] * args.batch_size  # "" is fine: the model starts from BOS
     prompts = [torch.tensor(encode(t)) for t in texts]
     for i in range(args.num_samples):
-        result = generate(model, prompts, args.max_new_tokens, progress=not args.compile, **sampling)
+        result = generate(model, prompts, args.max_new_tokens, progress=not args.compile and tp.is_main_process(),
+                          **sampling)
         for row in result.new_tokens:
             print(tokenizer.decode([t for t in row.tolist() if t not in tokenizer.eos_ids]), flush=True)
             print("-" * 40)
@@ -554,7 +570,7 @@ def chat_loop(model, tokenizer, max_new_tokens, sampling):
     messages = []
     while True:
         try:
-            text = input("you> ").strip()
+            text = tp.input_on_main_process("you> ").strip()
         except EOFError:
             return
         if not text:

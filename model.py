@@ -163,8 +163,9 @@ class Transformer(nn.Module):
         c = self.config
         # The embedding always stays dense, so it names the model's dtype and device.
         dtype, device = self.tok_embeddings.weight.dtype, self.tok_embeddings.weight.device
-        for b in self.layers:
-            b.attention.kv_cache = KVCache(max_batch_size, max_seq_length, c.n_local_heads, c.head_dim, dtype).to(device)
+        for b in self.layers:  # the attention's own head count: tensor parallel (tp.py) keeps a share of the heads
+            b.attention.kv_cache = KVCache(max_batch_size, max_seq_length, b.attention.n_local_heads, c.head_dim,
+                                           dtype).to(device)
         cos, sin = precompute_rope(max_seq_length, c.head_dim, c.rope_base, c.rope_scaling)
         self.register_buffer("rope_cos", cos.to(device), persistent=False)
         self.register_buffer("rope_sin", sin.to(device), persistent=False)

@@ -8,8 +8,15 @@ scripts/gpu_benchmarks.sh runs the configurations behind docs/BENCHMARKS.md.
 
 Each model is a named shape (ModelArgs.from_name) with random bf16 weights made directly on the
 GPU; speed does not depend on the values, but zeros would flatter the hardware, so they are
-random. A sparse pattern keeps the N largest |w| of every M-group (a valid mask) via
-sparse.swap_to_sparse; the lm_head stays dense.
+random. A sparse model is built packed (a 70B model's dense form would not fit the GPU that holds
+its 2:4 form): each linear layer gets random weights pruned to the pattern, keeping the N largest
+|w| of every M-group (a valid mask); the lm_head stays dense.
+
+Tensor parallel (tp.py): the same command under torchrun, e.g.
+    torchrun --nproc_per_node=2 scripts/bench_decode.py --models Llama-3.3-70B --patterns 2:4 --batch_sizes 1,8
+builds only each rank's shard on its GPU and runs every configuration in that process (as
+--same_process); rank 0 prints and writes the tables. Its rows say `tp` = the process count, and
+their bytes, GB/s and share of the copy bandwidth are one GPU's (a rank reads its shard).
 
 Protocol (the paper's): a 512-token random prompt, 256 new tokens, generate(compile=True) so the
 decode step is one CUDA graph. The first generate() call compiles and warms up; in the second,
@@ -41,6 +48,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import cli_args  # noqa: E402
 import generate  # noqa: E402
+import tp  # noqa: E402
 from scripts.kernel_profile import profile_steps  # noqa: E402
 from checkpoint import atomic_write  # noqa: E402
 from model import ModelArgs, Transformer  # noqa: E402
@@ -48,36 +56,55 @@ from model import ModelArgs, Transformer  # noqa: E402
 GPTFAST_NAMES = {"Llama-3.1-8B": "llama-3.1-8b", "Meta-Llama-3-8B": "llama-3-8b"}  # shapes GPT-Fast knows
 
 
-def random_model(name: str, device="cuda", dtype=torch.bfloat16, n_layer: int = None) -> Transformer:
-    """The named shape with random weights, allocated and filled on the device (no CPU copy);
-    n_layer keeps only that many layers (quick probes of one shape)."""
+def meta_model(name: str, pattern: str = None, n_layer: int = None, dtype=torch.bfloat16) -> Transformer:
+    """The named shape on the meta device (no memory), its linear layers (but the lm_head) packed
+    empty to `pattern` if given, and under torchrun only this rank's shard (tp.shard)."""
     config = ModelArgs.from_name(name)
     config.n_layer = n_layer or config.n_layer
     with torch.device("meta"):
         model = Transformer(config).to(dtype)
-    model = model.to_empty(device=device)  # bf16 from the start: Qwen3-32B in fp32 would not fit
-    if model.config.tie_embeddings:
+    if pattern is not None:
+        import sparse
+
+        placeholders = {f"{layer}.values": torch.empty(0, dtype=dtype, device="meta")
+                        for layer, module in model.named_modules()
+                        if isinstance(module, torch.nn.Linear) and layer != "output"}
+        sparse.swap_linears_for_state_dict(model, placeholders, pattern)
+    return tp.shard(model)
+
+
+def random_model(name: str, device="cuda", dtype=torch.bfloat16, n_layer: int = None, pattern: str = None) -> Transformer:
+    """meta_model(name, pattern, n_layer) with random weights, allocated and filled on the device
+    (no CPU copy, bf16 from the start: Qwen3-32B in fp32 would not fit); n_layer keeps only that
+    many layers (quick probes of one shape)."""
+    model = meta_model(name, pattern, n_layer, dtype).to_empty(device=device)
+    if model.config.tie_embeddings and isinstance(model.output, torch.nn.Linear):  # tp.shard unties them
         model.output.weight = model.tok_embeddings.weight
+    torch.manual_seed(0)  # every rank's replicated weights alike
     with torch.no_grad():
         for param_name, p in model.named_parameters():
             if param_name.endswith("norm.weight"):
                 p.uniform_(0.8, 1.2)
             else:
                 p.normal_(0.0, 0.02)
+    if pattern is not None:
+        repack_in_place(model, pattern)
     return model.eval()
 
 
 def dense_bytes(name: str, batch_size: int, args) -> int:
-    """Bytes one dense decode step of this shape reads, counted on a meta-device model (no memory)."""
-    with torch.device("meta"):
-        model = Transformer(ModelArgs.from_name(name)).to(torch.bfloat16)
+    """Bytes one dense decode step of this shape reads (one rank's under torchrun), counted on a
+    meta-device model."""
+    model = meta_model(name)
     model.setup_caches(batch_size, args.prompt_length + args.new_tokens)
     return generate.bytes_read_per_step(model, batch_size)["total"]
 
 
 def time_decode(model, batch_size: int, args, label: str = "run") -> dict:
     """Warm-up generate() (compiles), then a timed one; the median step time after warm-up steps."""
-    prompts = [torch.randint(0, model.config.vocab_size, (args.prompt_length,)) for _ in range(batch_size)]
+    seeded = torch.Generator().manual_seed(0)  # the same prompts on every rank under torchrun
+    prompts = [torch.randint(0, model.config.vocab_size, (args.prompt_length,), generator=seeded)
+               for _ in range(batch_size)]
     sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=0, compile=True)
     start = time.perf_counter()
     generate.generate(model, prompts, args.new_tokens, **sampling)
@@ -124,7 +151,8 @@ def bench(args, rows: list):
     --same_process), as a user runs one model per process and as GPT-Fast is run: a model decoded
     after another in the same process ran measurably slower (its lm_head, docs/BENCHMARKS.md)."""
     start = time.perf_counter()
-    remaining = lambda: args.deadline_s - (time.perf_counter() - start)  # noqa: E731
+    # Under torchrun rank 0's clock decides for every rank whether to start a run, so all start it.
+    remaining = lambda: tp.from_main_process(args.deadline_s - (time.perf_counter() - start))  # noqa: E731
     run_ours = bench_model if args.same_process else bench_model_in_child
     sparse_patterns = [p for p in args.patterns if p != "dense"]
     for name in args.models:
@@ -175,14 +203,15 @@ def repack_in_place(model, pattern: str):
     holds the buffers' addresses) runs the new pattern without recompiling.
     """
     import sparse
+    from tqdm import tqdm
 
-    for module in model.modules():
-        if isinstance(module, sparse.SparseLinear):
-            weight = torch.randn(module.out_features, module.in_features, device=module.values.device) * 0.02
-            values, mask = sparse.pack(weight.to(module.values.dtype), pattern)
-            module.values.copy_(values)
-            module.mask.copy_(mask)
-            module.pattern = pattern
+    layers = [module for module in model.modules() if isinstance(module, sparse.SparseLinear)]
+    for module in tqdm(layers, desc=f"packing {pattern}", unit="layer", disable=not tp.is_main_process()):
+        weight = torch.randn(module.out_features, module.in_features, device=module.values.device) * 0.02
+        values, mask = sparse.pack(weight.to(module.values.dtype), pattern)
+        module.values.copy_(values)
+        module.mask.copy_(mask)
+        module.pattern = pattern
 
 
 def bench_model(name: str, sparse_patterns: list, remaining, args, rows: list):
@@ -192,26 +221,25 @@ def bench_model(name: str, sparse_patterns: list, remaining, args, rows: list):
     if remaining() <= 0:
         rows += [dict(model=name, pattern=p, error="skipped: past --deadline_s") for p in patterns]
         return
-    model = random_model(name)
+    packed_as = sparse_patterns[0] if sparse_patterns else None  # packing a 70B model takes a while: once a pattern
+    model = random_model(name, tp.process_device("cuda"), pattern=packed_as)
     model.setup_caches(max(args.batch_sizes), args.prompt_length + args.new_tokens)
-    if sparse_patterns:
-        import sparse
-
-        sparse.swap_to_sparse(model, sparse_patterns[0])  # lm_head stays dense
     # Peak memory from here on: what decoding this model takes, as for a user who loads a pruned
-    # checkpoint. (Building the sparse model makes the dense one first, ~1.6x the packed size.)
+    # checkpoint (packing made one layer's dense weight at a time).
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     for batch_size in args.batch_sizes:
         for pattern in patterns:
-            row = dict(model=name, pattern=pattern, batch=batch_size, engine="ours")
+            row = dict(model=name, pattern=pattern, batch=batch_size, engine="ours", tp=tp.world_size())
             if remaining() <= 0:
                 rows.append(dict(row, error="skipped: past --deadline_s"))
                 continue
-            if pattern != "dense":
+            if pattern not in ("dense", packed_as):
                 repack_in_place(model, pattern)
+                packed_as = pattern
             step_bytes = generate.bytes_read_per_step(model, batch_size)["total"]
-            timing = time_decode(model, batch_size, args, label=f"{name}_{pattern}_b{batch_size}")
+            label = f"{name}_{pattern}_b{batch_size}" + (f"_rank{tp.rank()}" if tp.world_size() > 1 else "")
+            timing = time_decode(model, batch_size, args, label=label)
             step_s = timing["median_step_s"]
             row.update(timing, **throughput(step_s, batch_size, step_bytes, args.copy_bandwidth),
                        bound_speedup=round(dense_bytes(name, batch_size, args) / step_bytes, 3),
@@ -247,7 +275,7 @@ def throughput(step_s: float, batch_size: int, step_bytes: int, copy_bandwidth: 
                 gb_s=round(step_bytes / step_s / 1e9), pct_of_copy=round(100 * step_bytes / step_s / copy_bandwidth, 1))
 
 
-COLUMNS = ["model", "pattern", "batch", "engine", "tok_s", "tok_s_all_rows", "median_step_ms", "gb_s", "pct_of_copy",
+COLUMNS = ["model", "pattern", "batch", "engine", "tp", "tok_s", "tok_s_all_rows", "median_step_ms", "gb_s", "pct_of_copy",
            "step_gb", "bound_speedup", "speedup", "ours_vs_gptfast", "checkpoint_gb", "peak_memory_gb", "error"]
 
 
@@ -262,7 +290,7 @@ def environment() -> dict:
     import triton
 
     return dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), gpu=torch.cuda.get_device_name(),
-                torch=torch.__version__, triton=triton.__version__, command=" ".join(sys.argv))
+                gpus=tp.world_size(), torch=torch.__version__, triton=triton.__version__, command=" ".join(sys.argv))
 
 
 def parse_args(argv=None):
@@ -292,19 +320,42 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def check_configurations(args):
+    """Exit 2 with one line, before any work, for a model name we do not know, a pattern that is
+    not N:M, or (under torchrun) a process count that cannot split a model."""
+    try:
+        for name in args.models:
+            for pattern in args.patterns:
+                meta_model(name, None if pattern == "dense" else pattern, n_layer=1)
+        if tp.world_size() > 1 and args.gptfast:
+            raise ValueError("--gptfast times GPT-Fast on one GPU: run it without torchrun")
+    except ValueError as e:
+        if not tp.is_main_process():  # every rank meets the same bad input; rank 0 says it
+            sys.exit(2)
+        cli_args.exit_with_error(e)
+
+
 def main(argv=None):
     args = parse_args(argv)
+    check_configurations(args)
     if not torch.cuda.is_available():
         sys.exit("error: bench_decode.py needs a CUDA GPU")
     torch._dynamo.config.cache_size_limit = 64  # one compiled step per (model, batch size)
+    # Under torchrun: one process a GPU, all configurations in it, rank 0 reports.
+    tp.init_process_group(tp.process_device("cuda"))
+    tp.silence_other_ranks()
+    args.same_process = args.same_process or tp.world_size() > 1
     env, rows = environment(), []
     try:
         bench(args, rows)
     finally:  # keep what was measured even if a later configuration fails
-        if args.rows_out:  # a child of bench_model_in_child: its parent writes the tables
+        if not tp.is_main_process():
+            pass  # rank 0 reports for all
+        elif args.rows_out:  # a child of bench_model_in_child: its parent writes the tables
             atomic_write(args.rows_out, lambda tmp: Path(tmp).write_text(json.dumps(rows)))
         else:
             write_tables(args.out, env, rows)
+        tp.destroy_process_group()
 
 
 def write_tables(out: Path, env: dict, rows: list):

@@ -10,8 +10,9 @@
 # Each section runs plain commands with a hard time limit (SECTION_LIMIT_S, default 570: one fits
 # a 10-minute call of a rented device), writes into $OUT/<section>/ (its log: $OUT/<section>.log),
 # and no section starts after DEADLINE_S seconds (default: no deadline). On a machine of several
-# GPUs the sections are spread over them, one section per GPU at a time. Everything is packed into
-# $OUT/results.tgz (OUT defaults to runs/gpu_benchmarks), then a summary is printed.
+# GPUs the sections are spread over them, one section per GPU at a time; a section named *_tp2* takes
+# GPUs 0 and 1 (tensor parallel), and a run that includes one runs its sections one at a time.
+# Everything is packed into $OUT/results.tgz (OUT defaults to runs/gpu_benchmarks), then a summary is printed.
 # decode_b1 also times GPT-Fast when a copy of it sits in .gptfast (gptfast_decode_driver.py says how).
 #
 # Lessons kept here:
@@ -25,9 +26,10 @@ PYTHON=${PYTHON:-python3}
 PYTEST="$PYTHON -m pytest -v -o console_output_style=times -m gpu"  # each test's time, so a cut run says where it went
 GPTFAST=.gptfast
 
-SECTIONS=(tests_spmv tests_spmm tests_mma_sp tests_linear tests_engine
+SECTIONS=(tests_spmv tests_spmm tests_mma_sp tests_linear tests_engine tests_tp2
           kernel_b1 kernel_b4 kernel_b816 kernel_prefill kernel_chain attention
-          decode_b1 decode_batches decode_b16 decode_qwen3 decode_qwen3_32b dense_spread prune prune_1m)
+          decode_b1 decode_batches decode_b16 decode_qwen3 decode_qwen3_32b dense_spread prune prune_1m
+          tp70b_dense_tp2_b1 tp70b_dense_tp2_b8 tp70b_2of4_b1 tp70b_2of4_b8 tp70b_2of4_tp2_b1 tp70b_2of4_tp2_b8)
 
 # The GPU tests in parts that each fit one section; tests_engine takes every module the others do not.
 tests_spmv() { $PYTEST tests/test_sparse_kernels_spmv.py; }
@@ -36,8 +38,9 @@ tests_mma_sp() { $PYTEST tests/test_sparse_kernels_mma_sp.py; }
 tests_linear() { $PYTEST tests/test_sparse_linear.py; }
 tests_engine() {
   $PYTEST tests --ignore=tests/test_sparse_kernels_spmv.py --ignore=tests/test_sparse_kernels_spmm.py \
-    --ignore=tests/test_sparse_kernels_mma_sp.py --ignore=tests/test_sparse_linear.py
+    --ignore=tests/test_sparse_kernels_mma_sp.py --ignore=tests/test_sparse_linear.py --ignore=tests/test_tp.py
 }
+tests_tp2() { $PYTEST tests/test_tp.py; }  # tensor parallel over two GPUs
 
 # The sparse kernels against cuBLAS on every linear shape of the four models ("Sparse kernel").
 kernel_b1() { $PYTHON scripts/bench_kernel.py --batches 1 --out-md "$JOB/table.md" --out-json "$JOB/table.json"; }
@@ -87,6 +90,34 @@ dense_spread() {
       --batch_sizes 1 --out "$JOB/run$run"
     rm -rf "$cache"
   done
+}
+
+# A Llama-3.3-70B-shaped model ("Tensor parallel"): dense over two GPUs (141 GB does not fit one), 2:4 on
+# one GPU, 2:4 over two; a 512-token prompt, batch 1 and 8, one section each (a 70B compile takes minutes).
+TORCHRUN2="-m torch.distributed.run --standalone --nproc_per_node=2"
+tp70b_dense_tp2_b1() {
+  $PYTHON $TORCHRUN2 scripts/bench_decode.py --models Llama-3.3-70B --patterns dense --batch_sizes 1 \
+    --prompt_length 512 --deadline_s "$STOP_S" --out "$JOB"
+}
+tp70b_dense_tp2_b8() {
+  $PYTHON $TORCHRUN2 scripts/bench_decode.py --models Llama-3.3-70B --patterns dense --batch_sizes 8 \
+    --prompt_length 512 --deadline_s "$STOP_S" --out "$JOB"
+}
+tp70b_2of4_b1() {
+  $PYTHON scripts/bench_decode.py --models Llama-3.3-70B --patterns 2:4 --batch_sizes 1 \
+    --prompt_length 512 --deadline_s "$STOP_S" --out "$JOB"
+}
+tp70b_2of4_b8() {
+  $PYTHON scripts/bench_decode.py --models Llama-3.3-70B --patterns 2:4 --batch_sizes 8 \
+    --prompt_length 512 --deadline_s "$STOP_S" --out "$JOB"
+}
+tp70b_2of4_tp2_b1() {
+  $PYTHON $TORCHRUN2 scripts/bench_decode.py --models Llama-3.3-70B --patterns 2:4 --batch_sizes 1 \
+    --prompt_length 512 --deadline_s "$STOP_S" --out "$JOB"
+}
+tp70b_2of4_tp2_b8() {
+  $PYTHON $TORCHRUN2 scripts/bench_decode.py --models Llama-3.3-70B --patterns 2:4 --batch_sizes 8 \
+    --prompt_length 512 --deadline_s "$STOP_S" --out "$JOB"
 }
 
 # SparseGPT 2:4 of a Llama-3.1-8B-shaped model calibrated on its own decoding ("Pruning").
@@ -146,19 +177,21 @@ export PYTHONUNBUFFERED=1 TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_
 cat "$OUT/environment.txt"
 gpus=$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | wc -l)
 ((gpus > 0)) || gpus=1
+for section in "${chosen[@]}"; do [[ $section == *_tp2* ]] && gpus=1; done  # it needs GPUs 0 and 1 to itself
 start=$SECONDS
 
 run_queue() {  # GPU $1 runs sections $1, $1 + gpus, ... one after another
   local gpu=$1 i section limit log
   for ((i = gpu; i < ${#chosen[@]}; i += gpus)); do
-    section=${chosen[$i]} log="$OUT/${chosen[$i]}.log" limit=$SECTION_LIMIT_S
+    section=${chosen[$i]} log="$OUT/${chosen[$i]}.log" limit=$SECTION_LIMIT_S visible=$gpu
     mkdir -p "$OUT/$section"
     if [[ -n $DEADLINE_S ]]; then
       limit=$((DEADLINE_S - (SECONDS - start) < limit ? DEADLINE_S - (SECONDS - start) : limit))
       if ((limit < 20)); then echo "skipped: past DEADLINE_S" > "$log"; continue; fi
     fi
-    echo "[gpu $gpu] $section (limit ${limit}s)" > "$log"
-    CUDA_VISIBLE_DEVICES=$gpu timeout -k 5 "$limit" bash "$0" --run "$section" "$OUT/$section" "$limit" >> "$log" 2>&1 < /dev/null
+    [[ $section == *_tp2* ]] && visible=0,1
+    echo "[gpu $visible] $section (limit ${limit}s)" > "$log"
+    CUDA_VISIBLE_DEVICES=$visible timeout -k 5 "$limit" bash "$0" --run "$section" "$OUT/$section" "$limit" >> "$log" 2>&1 < /dev/null
     echo "[gpu $gpu] $section: exit $? after $((SECONDS - start))s" >> "$log"
   done
 }

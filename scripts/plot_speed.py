@@ -33,7 +33,9 @@ def decode_processes(paths) -> dict:
     processes, bounds = defaultdict(lambda: defaultdict(list)), {}
     for path in paths:
         for row in json.loads(Path(path).read_text())["rows"]:
-            label = f"{'GPT-Fast' if row['engine'] == 'gpt-fast' else 'ours'} {row['pattern']}"
+            # Tensor-parallel rows (bench_decode under torchrun) are bars of their own: ours-tp2 2:4.
+            engine = "GPT-Fast" if row["engine"] == "gpt-fast" else "ours" + (f"-tp{row['tp']}" if row.get("tp", 1) > 1 else "")
+            label = f"{engine} {row['pattern']}"
             processes[row["model"], row["batch"]][label].append(row["tok_s"])
             if row["pattern"] != "dense":
                 bounds[row["model"], row["batch"], label] = row["bound_speedup"]
@@ -64,9 +66,10 @@ def spread_groups(specs) -> dict:
 
 
 def bar_order(label: str):
-    """GPT-Fast first, then our dense, then the patterns by M (2:4, 4:8, 8:16, 16:32)."""
+    """GPT-Fast first, then our dense, then the patterns by M (2:4, 4:8, 8:16, 16:32); one GPU before
+    tensor parallel within each."""
     engine, pattern = label.split(" ")
-    return (engine != "GPT-Fast", pattern != "dense", int(pattern.split(":")[1]) if ":" in pattern else 0)
+    return (engine != "GPT-Fast", pattern != "dense", int(pattern.split(":")[1]) if ":" in pattern else 0, engine)
 
 
 def pyplot():

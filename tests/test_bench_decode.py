@@ -4,6 +4,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from scripts import bench_decode
 
@@ -63,3 +64,39 @@ def test_the_child_forwards_every_protocol_flag(monkeypatch, tmp_path):
     for name in ("patterns", "batch_sizes", "prompt_length", "new_tokens", "warmup_steps", "temperature", "top_k",
                  "top_p", "profile", "copy_bandwidth", "out"):
         assert getattr(child_args, name) == getattr(args, name), name
+
+
+def test_a_sparse_model_is_built_packed_with_valid_masks():
+    import sparse
+
+    model = bench_decode.random_model("SmolLM2-135M", "cpu", n_layer=1, pattern="2:4")
+    packed = [m for m in model.modules() if isinstance(m, sparse.SparseLinear)]
+    assert len(packed) == 4 and isinstance(model.output, torch.nn.Linear)
+    for module in packed:
+        sparse.validate(module.values, module.mask, "2:4")
+        assert module.values.abs().sum() > 0
+
+
+def test_under_torchrun_a_rank_builds_and_counts_its_shard(monkeypatch):
+    one_gpu = bench_decode.dense_bytes("Llama-3.3-70B", 1, parsed())
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    shard = bench_decode.meta_model("Llama-3.3-70B", "2:4", n_layer=1)
+    assert shard.layers[0].attention.wqkv.out_features == (32 + 2 * 4) * 128
+    assert shard.layers[0].feed_forward.w2.linear.in_features == 28672 // 2
+    # Half of every layer and of the lm_head, the embedding rows looked up and the norms whole.
+    assert bench_decode.dense_bytes("Llama-3.3-70B", 1, parsed()) == pytest.approx(one_gpu / 2, rel=0.01)
+
+
+@pytest.mark.parametrize("argv, world_size, message", [
+    (["--models", "Llama-3.3-70B", "--patterns", "2:4"], "3", "8 key/value heads"),
+    (["--models", "Llama-3.3-70B", "--gptfast", "gf"], "2", "--gptfast"),
+    (["--models", "No-Such-Model"], "1", "unknown model name"),
+    (["--patterns", "3:4"], "1", "power-of-two"),
+])
+def test_bad_configurations_exit_2_with_one_line_before_any_work(monkeypatch, capsys, argv, world_size, message):
+    monkeypatch.setenv("WORLD_SIZE", world_size)
+    with pytest.raises(SystemExit) as exited:
+        bench_decode.main(argv)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exited.value.code == 2 and len(lines) == 1 and message in lines[0]

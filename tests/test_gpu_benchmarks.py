@@ -64,3 +64,10 @@ def test_a_run_packs_every_section_into_one_tarball_even_when_they_fail(tmp_path
     assert {"environment.txt", "kernel_b1.log", "prune.log", "kernel_b1", "prune"} <= packed
     assert "prune: exit 1 after" in (tmp_path / "prune.log").read_text()
     assert "=== kernel_b1" in done.stdout and "=== prune" in done.stdout
+
+
+def test_a_tensor_parallel_section_sees_two_gpus_and_the_others_one(tmp_path):
+    done = run("tp70b_dense_tp2_b1", "tp70b_2of4_b1", PYTHON="false", OUT=str(tmp_path), SECTION_LIMIT_S="60")
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "tp70b_dense_tp2_b1.log").read_text().startswith("[gpu 0,1] tp70b_dense_tp2_b1")
+    assert (tmp_path / "tp70b_2of4_b1.log").read_text().startswith("[gpu 0] tp70b_2of4_b1")

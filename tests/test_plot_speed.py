@@ -42,6 +42,13 @@ def test_processes_are_grouped_per_model_and_bar(decode_files):
     assert order == ["GPT-Fast dense", "ours dense", "ours 8:16"]
 
 
+def test_tensor_parallel_rows_are_bars_of_their_own(tmp_path):
+    tp2 = lambda pattern, tok_s: dict(row("Llama-3.3-70B", pattern, tok_s), tp=2)  # noqa: E731
+    files = [decode_file(tmp_path, "tp.json", [tp2("dense", 40.0), tp2("2:4", 61.0), row("Llama-3.3-70B", "2:4", 38.0)])]
+    processes, _ = plot_speed.decode_processes(files)
+    assert sorted(processes["Llama-3.3-70B", 1], key=plot_speed.bar_order) == ["ours-tp2 dense", "ours 2:4", "ours-tp2 2:4"]
+
+
 def test_goals_follow_issue_5():
     assert plot_speed.decode_goal("Llama-3.1-8B", 1, 200.0, 1.68) == pytest.approx(320.0)  # 1.6x the fastest dense
     assert plot_speed.decode_goal("Llama-3.1-8B", 4, 200.0, 1.68) == pytest.approx(270.0)  # 1.35x
