@@ -22,6 +22,9 @@ class ConversionError(Exception):
     """Input we cannot convert; the message names the file, tensor or setting at fault."""
 
 
+# The weight dtypes the command lines offer, by name.
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
 # A loader per tensor: called once, when that tensor is needed.
 LazyTensors = dict[str, Callable[[], torch.Tensor]]
 

@@ -17,10 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 
 import cli_args  # noqa: E402
 from checkpoint import CheckpointError  # noqa: E402
-from convert import (ConversionError, convert_gguf, convert_hf_folder, convert_llama2c,  # noqa: E402
+from convert import (DTYPES, ConversionError, convert_gguf, convert_hf_folder, convert_llama2c,  # noqa: E402
                      embedded_smollm2_gguf)
-
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def main(argv=None):
