@@ -131,3 +131,19 @@ def test_failed_export_leaves_nothing(tiny_hf_folder, tmp_path, monkeypatch):
     with pytest.raises(OSError):
         export_hf(tmp_path / "ours" / "model.pth", tmp_path / "hf")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ours"]
+
+
+@pytest.mark.parametrize("pattern", ["2:4", "8:16"])
+def test_packed_round_trip_export_convert_pack_is_bit_identical(tiny_hf_folder, tmp_path, pattern):
+    folder, _ = tiny_hf_folder("llama-tied")
+    convert_hf_folder(folder, tmp_path / "ours", dtype=torch.bfloat16)
+    packed = pack_checkpoint(tmp_path / "ours" / "model.pth", tmp_path / "packed.pth", pattern)
+    export_hf(packed, tmp_path / "hf")
+    convert_hf_folder(tmp_path / "hf", tmp_path / "again", dtype=torch.bfloat16, sparse="auto")
+    before, config, metadata = load_checkpoint(packed)
+    after, config_after, metadata_after = load_checkpoint(tmp_path / "again" / "model.pth")
+    assert config_after == config and before.keys() == after.keys()
+    for key in before:
+        assert before[key].dtype == after[key].dtype and torch.equal(before[key], after[key]), key
+    assert metadata_after["sparsity"]["pattern"] == pattern
+    assert sorted(metadata_after["sparsity"]["layers"]) == sorted(metadata["sparsity"]["layers"])
