@@ -75,26 +75,26 @@ def choose_pattern(state_dict: dict, layers: list, requested: str) -> str | None
     return next(p for p in AUTO_PATTERNS if counts[p] == best) if best else None
 
 
-def pack_state_dict(state_dict: dict, requested: str) -> tuple[dict, PackingReport]:
-    """(state dict with the layers that follow the pattern as `.values` + `.mask`, report).
+def pack_state_dict(state_dict: dict, requested: str) -> PackingReport:
+    """Replace, in place, each block linear of `state_dict` that follows the pattern by `.values` +
+    `.mask` (one layer at a time, so packing holds about one model, not two); returns the report.
     requested: "auto" or an N:M pattern."""
     layers = block_linear_names(state_dict)
     pattern = choose_pattern(state_dict, layers, requested)
     report = PackingReport(pattern)
     if pattern is None:
         report.dense = {layer: "no N:M pattern" for layer in layers}
-        return state_dict, report
-    packed = dict(state_dict)
+        return report
     for layer in tqdm(layers, desc=f"packing {pattern}", unit="layer", leave=False):
         weight = state_dict[f"{layer}.weight"]
         reason = "has a bias (packed layers have none)" if f"{layer}.bias" in state_dict else why_not(weight, pattern)
         if reason is not None:
             report.dense[layer] = reason
             continue
-        del packed[f"{layer}.weight"]
-        packed[f"{layer}.values"], packed[f"{layer}.mask"] = sparse.pack(weight, pattern, keep_nonzeros(weight, pattern))
+        del state_dict[f"{layer}.weight"]
+        state_dict[f"{layer}.values"], state_dict[f"{layer}.mask"] = sparse.pack(weight, pattern,
+                                                                                 keep_nonzeros(weight, pattern))
         report.packed.append(layer)
     if not report.packed:
         report.pattern = None
-        return state_dict, report
-    return packed, report
+    return report

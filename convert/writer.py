@@ -102,7 +102,7 @@ def write_converted(out, tensors: LazyTensors, config: ModelArgs, tokenizer_file
     n_params = sum(t.numel() for t in {id(t): t for t in state_dict.values()}.values())  # tied: count once
     sparsity = None
     if sparse is not None:
-        state_dict, report = pack_state_dict(state_dict, sparse)
+        report = pack_state_dict(state_dict, sparse)
         if report.pattern is None and sparse != "auto":
             raise ConversionError(f"no block linear's zeros follow {sparse}; "
                                   f"{next(iter(report.dense.items()), ('', 'no block linears'))[1]}")

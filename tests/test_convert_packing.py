@@ -35,12 +35,13 @@ def test_auto_takes_the_finest_pattern_every_sparse_layer_follows():
     four_eight = w * sparse.format.keep_largest(w, "4:8")
     state = {"layers.0.attention.wqkv.weight": two_four, "layers.0.attention.wo.weight": four_eight,
              "layers.0.feed_forward.w13.weight": w, "tok_embeddings.weight": two_four}
-    packed, report = pack_state_dict(state, "auto")
+    packed = dict(state)
+    report = pack_state_dict(packed, "auto")
     assert report.pattern == "4:8"
     assert report.packed == ["layers.0.attention.wqkv", "layers.0.attention.wo"]
     assert "4:8 allows 4" in report.dense["layers.0.feed_forward.w13"]
     assert "tok_embeddings.weight" in packed and "layers.0.feed_forward.w13.weight" in packed
-    _, report = pack_state_dict(state, "2:4")
+    report = pack_state_dict(dict(state), "2:4")
     assert report.packed == ["layers.0.attention.wqkv"]
 
 
