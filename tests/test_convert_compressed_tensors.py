@@ -4,26 +4,29 @@ it pins transformers<5): the decompressed weights equal the dense model's bit fo
 packs them, and our logits match transformers' on the dense original."""
 import json
 
+import numpy as np
 import pytest
 import torch
 
 from checkpoint import load_checkpoint
 from conftest import make_tiny_hf_model
 from convert import ConversionError, convert_hf_folder
+from convert.compressed_tensors import decompress, unpack_bitmask
 from generate import load_model
 from script_testing import assert_one_line_error, run_script
 from test_convert_packing import prune_hf_linears
 from test_model import assert_logits_match
 
-compressors = pytest.importorskip("compressed_tensors.compressors",
-                                  reason="compressed-tensors==0.14.0.1 (test-only) is not installed")
-from compressed_tensors.config import SparsityCompressionConfig  # noqa: E402
 
 
 def save_compressed(model, folder, kind, structure):
     """The model's folder as compressed-tensors writes it: its compressor's state dict in
     model.safetensors and its ModelCompressor's quantization_config in config.json."""
     from safetensors.torch import save_file
+
+    compressors = pytest.importorskip("compressed_tensors.compressors",
+                                      reason="compressed-tensors==0.14.0.1 (test-only) is not installed")
+    from compressed_tensors.config import SparsityCompressionConfig
 
     model.save_pretrained(folder)
     config = SparsityCompressionConfig.load_from_registry(kind, sparsity_structure=structure)
@@ -77,3 +80,23 @@ def test_damaged_or_quantized_checkpoints_are_one_line(tmp_path):
     save_file(tensors, folder / "model.safetensors")
     with pytest.raises(ConversionError, match="model.layers.0.mlp.up_proj has no model.layers.0.mlp.up_proj.bitmask"):
         convert_hf_folder(folder, tmp_path / "out")
+
+
+def test_bitmask_bits_are_numpy_packbits_little_endian():
+    kept = torch.rand(5, 13, generator=torch.Generator().manual_seed(0)) > 0.5
+    packed = torch.from_numpy(np.packbits(kept.numpy(), axis=-1, bitorder="little"))
+    assert torch.equal(unpack_bitmask(packed, 5, 13), kept)
+
+
+def test_parts_that_disagree_are_named():
+    kept = torch.tensor([[True, False, True, False] * 2])
+    parts = {"shape": torch.tensor([1, 8]), "bitmask": torch.from_numpy(np.packbits(kept.numpy(), axis=-1,
+                                                                                     bitorder="little")),
+             "compressed": torch.ones(3), "row_offsets": torch.tensor([0])}
+    with pytest.raises(ConversionError, match="the bitmask keeps 4 weights but x.compressed holds 3"):
+        decompress("x", parts, "sparse-bitmask")
+    parts["compressed"] = torch.ones(4)
+    assert torch.equal(decompress("x", parts, "sparse-bitmask"), kept.float())
+    parts["row_offsets"] = torch.tensor([1])
+    with pytest.raises(ConversionError, match="x.row_offsets disagree with its bitmask"):
+        decompress("x", parts, "sparse-bitmask")
