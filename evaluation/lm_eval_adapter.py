@@ -94,10 +94,10 @@ class SparseDecodingLM(TemplateLM):
             idx = torch.zeros(len(rows), min(width, self.max_length), dtype=torch.long)
             for i, row in enumerate(rows):
                 idx[i, :len(row) - 1] = torch.tensor(row[:-1])
-            log_probs = F.log_softmax(forward_logits(self.model, idx, compile=self.compile), dim=-1).cpu()
+            logits = forward_logits(self.model, idx, compile=self.compile)
             for i, ((key, _, continuation), row) in enumerate(zip(batch, rows)):
-                n = len(continuation)
-                scores = log_probs[i, len(row) - 1 - n:len(row) - 1]
+                n = len(continuation)  # only the continuation's positions are normalised and brought back
+                scores = F.log_softmax(logits[i, len(row) - 1 - n:len(row) - 1], dim=-1).cpu()
                 target = torch.tensor(row[-n:])
                 answer = (float(scores.gather(-1, target[:, None]).sum()), bool((scores.argmax(-1) == target).all()))
                 results.append(answer)
@@ -138,7 +138,9 @@ class SparseDecodingLM(TemplateLM):
                             top_k=settings.get("top_k"), top_p=settings.get("top_p"))
             for start in range(0, len(group), self.batch_size):
                 batch = group[start:start + self.batch_size]
-                prompts = [self.tok_encode(context)[-(self.max_length - max_new):] for _, context, _ in batch]
+                # An empty context starts from the prefix token, as an empty loglikelihood context does.
+                prompts = [self.tok_encode(context)[-(self.max_length - max_new):] or [self.prefix_token_id]
+                           for _, context, _ in batch]
                 out = generate.generate(self.model, [torch.tensor(p) for p in prompts], max_new,
                                         eos_ids=tuple(self.tokenizer.eos_ids), seed=self.seed,
                                         compile=self.compile, compile_prefill=self.compile, **sampling)
