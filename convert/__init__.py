@@ -7,11 +7,11 @@ the checkpoint atomically. scripts/convert_hf.py is the command line.
 
 export_hf.py goes the other way: our checkpoint -> a Hugging Face folder (scripts/export_hf.py).
 """
-from convert.export_hf import export_hf
+from convert.export_hf import export_to_hf
 from convert.gguf import convert_gguf, embedded_smollm2_gguf
 from convert.hf import convert_hf_folder
 from convert.llama2c import convert_llama2c
 from convert.writer import DTYPES, ConversionError
 
 __all__ = ["DTYPES", "ConversionError", "convert_gguf", "convert_hf_folder", "convert_llama2c", "embedded_smollm2_gguf",
-           "export_hf"]
+           "export_to_hf"]

@@ -24,6 +24,9 @@ from convert.hf import HF_ARCHITECTURES, TOKENIZER_FILES
 from convert.writer import ConversionError, hf_sources
 from model import ModelArgs
 
+# The shard size the hub's own models use; larger single files are awkward to upload and mirror.
+MAX_SHARD_SIZE = "5GB"
+
 
 def check_export_paths(checkpoint, out):
     """Refuse, before any work, a missing checkpoint and an --out that exists with content, sits
@@ -141,7 +144,7 @@ def copy_tokenizer_files(folder, out: Path) -> list:
     return copied
 
 
-def export_hf(checkpoint, out, dtype: torch.dtype | None = None) -> Path:
+def export_to_hf(checkpoint, out, dtype: torch.dtype | None = None) -> Path:
     """Write the Hugging Face folder `out` for `checkpoint`; returns `out`. dtype: of the weights
     (default: the checkpoint's)."""
     import transformers
@@ -174,7 +177,7 @@ def export_hf(checkpoint, out, dtype: torch.dtype | None = None) -> Path:
     tmp = out.resolve().parent / f".{out.name}.{os.getpid()}.tmp"
     try:
         shutil.rmtree(tmp, ignore_errors=True)
-        hf_model.save_pretrained(tmp)
+        hf_model.save_pretrained(tmp, max_shard_size=MAX_SHARD_SIZE)
         copied = copy_tokenizer_files(folder, tmp)
         if out.is_dir():
             out.rmdir()  # empty (checked above): the complete folder takes its place

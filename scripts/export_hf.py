@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 
 import cli_args  # noqa: E402
 from checkpoint import CheckpointError  # noqa: E402
-from convert import DTYPES, ConversionError, export_hf  # noqa: E402
+from convert import DTYPES, ConversionError, export_to_hf  # noqa: E402
 
 
 def main(argv=None):
@@ -27,7 +27,7 @@ def main(argv=None):
     parser.add_argument("--dtype", choices=DTYPES, default=None, help="weight dtype (default: the checkpoint's)")
     args = parser.parse_args(argv)
     try:
-        export_hf(args.checkpoint, args.out, DTYPES[args.dtype] if args.dtype else None)
+        export_to_hf(args.checkpoint, args.out, DTYPES[args.dtype] if args.dtype else None)
     except (ConversionError, CheckpointError) as e:
         cli_args.exit_with_error(e)
 

@@ -9,7 +9,7 @@ import torch
 import sparse
 from checkpoint import load_checkpoint, save_checkpoint
 from conftest import TINY_HF_CONFIGS
-from convert import convert_hf_folder, export_hf
+from convert import convert_hf_folder, export_to_hf
 from generate import load_model
 from script_testing import assert_one_line_error, run_script
 from test_model import assert_logits_match
@@ -46,7 +46,7 @@ def ours_with_cache(checkpoint, seq_len):
 def test_exported_folder_gives_our_logits_in_transformers(tiny_hf_folder, tmp_path, name):
     folder, _ = tiny_hf_folder(name)
     convert_hf_folder(folder, tmp_path / "ours", dtype=torch.float32)
-    export_hf(tmp_path / "ours" / "model.pth", tmp_path / "hf")
+    export_to_hf(tmp_path / "ours" / "model.pth", tmp_path / "hf")
     exported = load_exported(tmp_path / "hf")
     assert type(exported).__name__ == json.loads((folder / "config.json").read_text())["architectures"][0]
     assert exported.config.tie_word_embeddings == TINY_HF_CONFIGS[name][1]["tie_word_embeddings"]
@@ -54,10 +54,12 @@ def test_exported_folder_gives_our_logits_in_transformers(tiny_hf_folder, tmp_pa
     assert_logits_match(ours_with_cache(tmp_path / "ours" / "model.pth", 64), exported, tokens)
 
 
-def test_dense_round_trip_is_bit_identical(tiny_hf_folder, tmp_path):
+def test_dense_round_trip_is_bit_identical_through_shards(tiny_hf_folder, tmp_path, monkeypatch):
+    monkeypatch.setattr("convert.export_hf.MAX_SHARD_SIZE", "40KB")
     folder, _ = tiny_hf_folder("llama31")
     convert_hf_folder(folder, tmp_path / "ours", dtype=torch.bfloat16)
-    export_hf(tmp_path / "ours" / "model.pth", tmp_path / "hf")
+    export_to_hf(tmp_path / "ours" / "model.pth", tmp_path / "hf")
+    assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
     convert_hf_folder(tmp_path / "hf", tmp_path / "again", dtype=torch.bfloat16)
     before, config, _ = load_checkpoint(tmp_path / "ours" / "model.pth")
     after, config_after, _ = load_checkpoint(tmp_path / "again" / "model.pth")
@@ -72,7 +74,7 @@ def test_packed_checkpoint_exports_exact_zeros_and_our_logits(tiny_hf_folder, tm
     folder, _ = tiny_hf_folder("qwen3")
     convert_hf_folder(folder, tmp_path / "ours", dtype=torch.float32)
     packed = pack_checkpoint(tmp_path / "ours" / "model.pth", tmp_path / "packed.pth")
-    export_hf(packed, tmp_path / "hf")
+    export_to_hf(packed, tmp_path / "hf")
     tensors = load_file(tmp_path / "hf" / "model.safetensors")
     for name, weight in tensors.items():
         if name.endswith("_proj.weight"):  # every kept group of 4 along the input holds exactly 2 zeros
@@ -84,7 +86,7 @@ def test_packed_checkpoint_exports_exact_zeros_and_our_logits(tiny_hf_folder, tm
 def test_smollm2_export_matches_ours_and_keeps_the_tokenizer(smollm2_checkpoint, tmp_path):
     from tokenizer import load_tokenizer
 
-    export_hf(smollm2_checkpoint, tmp_path / "hf")
+    export_to_hf(smollm2_checkpoint, tmp_path / "hf")
     exported = load_exported(tmp_path / "hf")
     ours_tokenizer = load_tokenizer(smollm2_checkpoint.parent)
     hf_tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
@@ -129,7 +131,7 @@ def test_failed_export_leaves_nothing(tiny_hf_folder, tmp_path, monkeypatch):
 
     monkeypatch.setattr(transformers.PreTrainedModel, "save_pretrained", broken_save)
     with pytest.raises(OSError):
-        export_hf(tmp_path / "ours" / "model.pth", tmp_path / "hf")
+        export_to_hf(tmp_path / "ours" / "model.pth", tmp_path / "hf")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ours"]
 
 
@@ -138,7 +140,7 @@ def test_packed_round_trip_export_convert_pack_is_bit_identical(tiny_hf_folder, 
     folder, _ = tiny_hf_folder("llama-tied")
     convert_hf_folder(folder, tmp_path / "ours", dtype=torch.bfloat16)
     packed = pack_checkpoint(tmp_path / "ours" / "model.pth", tmp_path / "packed.pth", pattern)
-    export_hf(packed, tmp_path / "hf")
+    export_to_hf(packed, tmp_path / "hf")
     convert_hf_folder(tmp_path / "hf", tmp_path / "again", dtype=torch.bfloat16, sparse="auto")
     before, config, metadata = load_checkpoint(packed)
     after, config_after, metadata_after = load_checkpoint(tmp_path / "again" / "model.pth")

@@ -8,7 +8,7 @@ import torch
 
 from checkpoint import load_checkpoint
 from conftest import REPO
-from convert import export_hf
+from convert import export_to_hf
 from test_convert_export_hf import pack_checkpoint
 
 lm_eval = pytest.importorskip("lm_eval")
@@ -61,7 +61,7 @@ def assert_agree(ours, reference, tasks):
 
 def test_scores_agree_with_lm_evals_hf_model_on_the_exported_folder(smollm2_checkpoint, tmp_path):
     tasks = ["sd_tiny_mc", "sd_tiny_gen", "sd_tiny_text"]
-    export_hf(smollm2_checkpoint, tmp_path / "hf")
+    export_to_hf(smollm2_checkpoint, tmp_path / "hf")
     ours = evaluate(smollm2_checkpoint, tasks, limit=3, include_path=TASKS, batch_size=3, log_samples=True)
     assert_agree(ours, reference_results(tmp_path / "hf", tasks, limit=3), tasks)
     assert ours["results"]["sd_tiny_mc"]["acc,none"] >= 0.5  # SmolLM2 knows these
@@ -70,7 +70,7 @@ def test_scores_agree_with_lm_evals_hf_model_on_the_exported_folder(smollm2_chec
 def test_a_packed_checkpoint_agrees_with_its_exported_folder(smollm2_checkpoint, tmp_path):
     packed = pack_checkpoint(smollm2_checkpoint, tmp_path / "packed.pth")
     assert "sparsity" in load_checkpoint(packed)[2]
-    export_hf(packed, tmp_path / "hf")
+    export_to_hf(packed, tmp_path / "hf")
     ours = evaluate(packed, ["sd_tiny_mc"], limit=2, include_path=TASKS, log_samples=True)
     assert_agree(ours, reference_results(tmp_path / "hf", ["sd_tiny_mc"], limit=2), ["sd_tiny_mc"])
 
