@@ -103,3 +103,26 @@ def test_cli_unknown_task_is_one_line_before_loading(smollm2_checkpoint, capsys)
         main(["--checkpoint", str(smollm2_checkpoint), "--tasks", "no_such_task", "--include_path", TASKS])
     assert exit_info.value.code == 2
     assert "unknown lm-eval task 'no_such_task'" in capsys.readouterr().err
+
+
+def scored_requests():
+    contexts = ["The capital of France is", "Question: How many legs does a spider have?\nAnswer:"]
+    return ([Instance("loglikelihood", {}, (c, x), i) for i, (c, x) in
+             enumerate((c, x) for c in contexts for x in (" Paris", " Eight", " a very long answer indeed"))],
+            [Instance("loglikelihood_rolling", {}, ("Once upon a time, there was a little girl named Lily.",), 0)])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("packed, dtype, atol", [(False, "float32", 1e-3), (True, "bfloat16", 5e-2)])
+def test_gpu_compiled_scores_match_eager(smollm2_checkpoint, tmp_path, packed, dtype, atol):
+    """On CUDA the scoring forward is compiled (and a packed model runs the sparse kernels): its
+    log-likelihoods against the eager model's, on the CPU in float32, on the GPU in bfloat16."""
+    checkpoint = pack_checkpoint(smollm2_checkpoint, tmp_path / "packed.pth") if packed else smollm2_checkpoint
+    reference_device = "cuda" if dtype == "bfloat16" else "cpu"
+    pairs, rolling = scored_requests()
+    compiled = SparseDecodingLM(checkpoint, device="cuda", dtype=dtype, batch_size=4, compile=True)
+    eager = SparseDecodingLM(checkpoint, device=reference_device, dtype=dtype, batch_size=4, compile=False)
+    for got, want in zip(compiled.loglikelihood(pairs), eager.loglikelihood(pairs), strict=True):
+        assert got[0] == pytest.approx(want[0], abs=atol)
+    assert compiled.loglikelihood_rolling(rolling)[0] == pytest.approx(eager.loglikelihood_rolling(rolling)[0], rel=1e-2)
