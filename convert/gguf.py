@@ -184,9 +184,10 @@ def tokenizer_files_from_gguf(fields: dict, path) -> dict[str, bytes]:
             "tokenizer_config.json": (json.dumps(tokenizer_config, indent=2) + "\n").encode()}
 
 
-def convert_gguf(path, out, dtype=torch.bfloat16):
+def convert_gguf(path, out, dtype=torch.bfloat16, sparse=None):
     tensors, config, tokenizer_files = read_gguf(Path(path))
-    write_converted(out, tensors, config, tokenizer_files, dtype=dtype, source=path, source_format="gguf")
+    write_converted(out, tensors, config, tokenizer_files, dtype=dtype, source=path, source_format="gguf",
+                    sparse=sparse)
 
 
 def embedded_smollm2_gguf() -> Path:

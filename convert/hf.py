@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from convert.compressed_tensors import decompressed_tensors, sparsity_format
 from convert.writer import ConversionError, LazyTensors, write_converted
 from model import ModelArgs, require_positive_int
 
@@ -133,6 +134,7 @@ def read_hf_folder(folder: Path):
         if not isinstance(hf_config, dict):
             raise TypeError(f"it holds a JSON {type(hf_config).__name__}, not an object")
         config = model_args_from_hf_config(hf_config)
+        compressed = sparsity_format(hf_config)
     except KeyError as e:
         raise ConversionError(f"{config_path} is not a usable model config: it has no {e}") from None
     except json.JSONDecodeError as e:
@@ -140,13 +142,17 @@ def read_hf_folder(folder: Path):
     except (TypeError, ValueError) as e:
         raise ConversionError(f"{config_path} is not a usable model config: {e}") from None
     tokenizer_files = {name: folder / name for name in TOKENIZER_FILES if (folder / name).is_file()}
-    return lazy_tensors_from_folder(folder), config, tokenizer_files
+    tensors = lazy_tensors_from_folder(folder)
+    if compressed is not None:  # compressed-tensors sparse weights: decompressed as they are read
+        tensors = decompressed_tensors(tensors, compressed)
+    return tensors, config, tokenizer_files
 
 
-def convert_hf_folder(folder, out, dtype=torch.bfloat16):
+def convert_hf_folder(folder, out, dtype=torch.bfloat16, sparse=None):
     folder = Path(folder)
     tensors, config, tokenizer_files = read_hf_folder(folder)
     if not any(n in tokenizer_files for n in ("tokenizer.json", "tokenizer.model")):
         print(f"warning: no tokenizer.json or tokenizer.model in {folder}; the checkpoint will have no tokenizer",
               file=sys.stderr)
-    write_converted(out, tensors, config, tokenizer_files, dtype=dtype, source=folder, source_format="huggingface")
+    write_converted(out, tensors, config, tokenizer_files, dtype=dtype, source=folder, source_format="huggingface",
+                    sparse=sparse)

@@ -82,6 +82,7 @@ def read_llama2c(path, tokenizer=None):
     return {name: (lambda t=t: t) for name, t in tensors.items()}, config, tokenizer_files
 
 
-def convert_llama2c(path, out, dtype=torch.float32, tokenizer=None):
+def convert_llama2c(path, out, dtype=torch.float32, tokenizer=None, sparse=None):
     tensors, config, tokenizer_files = read_llama2c(Path(path), tokenizer)
-    write_converted(out, tensors, config, tokenizer_files, dtype=dtype, source=path, source_format="llama2c")
+    write_converted(out, tensors, config, tokenizer_files, dtype=dtype, source=path, source_format="llama2c",
+                    sparse=sparse)

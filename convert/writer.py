@@ -16,11 +16,15 @@ from tqdm import tqdm
 
 from checkpoint import atomic_write, save_checkpoint
 from model import ModelArgs, Transformer
+from sparse.format import FORMAT as BITMASK_FORMAT
 
 
 class ConversionError(Exception):
     """Input we cannot convert; the message names the file, tensor or setting at fault."""
 
+
+# The weight dtypes the command lines offer, by name.
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 # A loader per tensor: called once, when that tensor is needed.
 LazyTensors = dict[str, Callable[[], torch.Tensor]]
@@ -86,12 +90,26 @@ def build_state_dict(tensors: LazyTensors, config: ModelArgs, dtype: torch.dtype
 
 
 def write_converted(out, tensors: LazyTensors, config: ModelArgs, tokenizer_files: dict[str, Path | bytes], *,
-                    dtype: torch.dtype, source, source_format: str):
+                    dtype: torch.dtype, source, source_format: str, sparse: str | None = None):
     """Convert `tensors` and write <out>/model.pth + config.json beside the tokenizer files (each a
     file to copy, or its bytes). Tokenizer files first, the checkpoint last: a model.pth only exists
-    once everything else does."""
+    once everything else does. sparse: "auto" or an N:M pattern to pack the layers whose zeros
+    follow it (convert/packing.py); None writes every weight dense."""
+    from convert.packing import pack_state_dict
+
     out = Path(out)
     state_dict = build_state_dict(tensors, config, dtype)
+    n_params = sum(t.numel() for t in {id(t): t for t in state_dict.values()}.values())  # tied: count once
+    sparsity = None
+    if sparse is not None:
+        report = pack_state_dict(state_dict, sparse)
+        if report.pattern is None and sparse != "auto":
+            raise ConversionError(f"no block linear's zeros follow {sparse}; "
+                                  f"{next(iter(report.dense.items()), ('', 'no block linears'))[1]}")
+        print("\n".join(report.lines()))
+        if report.pattern is not None:
+            sparsity = dict(pattern=report.pattern, format=BITMASK_FORMAT, layers=report.packed,
+                            found_in="the imported weights' zeros")
     out.mkdir(parents=True, exist_ok=True)
     for name, content in tokenizer_files.items():
         if isinstance(content, Path):
@@ -99,9 +117,11 @@ def write_converted(out, tensors: LazyTensors, config: ModelArgs, tokenizer_file
         else:
             atomic_write(out / name, lambda tmp, content=content: Path(tmp).write_bytes(content))
     metadata = {"source": str(Path(source).resolve()), "source_format": source_format, "dtype": str(dtype)}
+    if sparsity is not None:
+        metadata["sparsity"] = sparsity
     # config.json beside model.pth: what GPT-Fast-style tools and tokenizer.py's Llama-2 check read.
     atomic_write(out / "config.json", lambda tmp: Path(tmp).write_text(json.dumps(config.to_dict(), indent=2) + "\n"))
     save_checkpoint(out / "model.pth", state_dict, config, metadata)
-    n_params = sum(t.numel() for t in {id(t): t for t in state_dict.values()}.values())  # tied: count once
-    print(f"wrote {out / 'model.pth'} ({n_params / 1e6:.1f}M parameters, {config.architecture}) "
+    kind = "dense" if sparsity is None else f"{sparsity['pattern']} packed"
+    print(f"wrote {out / 'model.pth'} ({n_params / 1e6:.1f}M parameters, {config.architecture}, {kind}) "
           f"and {', '.join(tokenizer_files) or 'no tokenizer files'}")

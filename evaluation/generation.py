@@ -62,13 +62,22 @@ def load_generate_fn(checkpoint, device="cpu", max_new_tokens=512, batch_size=8)
 
 
 @torch.no_grad()  # not inference_mode: caches allocated here must stay usable by generate()
-def forward_logits(model: Transformer, idx: torch.Tensor) -> torch.Tensor:
-    """Teacher-forced logits [B, T, vocab] (fp32) for token ids idx [B, T], all positions at once."""
+def forward_logits(model: Transformer, idx: torch.Tensor, compile: bool = False) -> torch.Tensor:
+    """Teacher-forced logits [B, T, vocab] (fp32) for token ids idx [B, T], all positions at once.
+    compile: through torch.compile (dynamic shapes, made once per process: generate.compiled)."""
     B, T = idx.shape
     model.setup_caches(max(B, model.max_batch_size), max(T, model.max_seq_length))
     model.set_left_padding(None)
     device = model.tok_embeddings.weight.device
-    return model(idx.to(device), torch.arange(T, device=device)).float()
+    run = call_model
+    if compile:
+        import generate
+        run = generate.compiled(call_model, fullgraph=True, dynamic=True)
+    return run(model, idx.to(device), torch.arange(T, device=device)).float()
+
+
+def call_model(model: Transformer, idx: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+    return model(idx, input_pos)
 
 
 def add_generation_args(parser: argparse.ArgumentParser, max_new_tokens: int, batch_size: int):

@@ -4,6 +4,11 @@
     python scripts/convert_hf.py --embedded-smollm2 --out checkpoints/SmolLM2-135M-Instruct
     python scripts/convert_hf.py --gguf model.gguf --out checkpoints/my-model
     python scripts/convert_hf.py --llama2c stories260K.bin --out checkpoints/stories260K
+    python scripts/convert_hf.py path/to/Sparse-Llama-3.1-8B-2of4 --sparse auto --out checkpoints/sparse-llama
+
+--sparse auto (or a pattern) packs every layer whose zeros already follow an N:M pattern and prints
+which layers were packed and which stayed dense, and why; compressed-tensors `sparse-24-bitmask`
+and `sparse-bitmask` folders are read too.
 
 The readers and the writer are the convert/ package; this is its command line. A file we cannot
 convert stops it with one line naming the file, tensor or setting at fault, and nothing written.
@@ -17,10 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 
 import cli_args  # noqa: E402
 from checkpoint import CheckpointError  # noqa: E402
-from convert import (ConversionError, convert_gguf, convert_hf_folder, convert_llama2c,  # noqa: E402
+from convert import (DTYPES, ConversionError, convert_gguf, convert_hf_folder, convert_llama2c,  # noqa: E402
                      embedded_smollm2_gguf)
-
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+from convert.packing import AUTO_PATTERNS  # noqa: E402
 
 
 def main(argv=None):
@@ -35,15 +39,18 @@ def main(argv=None):
     parser.add_argument("--dtype", choices=DTYPES, default=None,
                         help="weight dtype (default: bfloat16; float32 for llama2.c models, which are tiny)")
     parser.add_argument("--tokenizer", type=Path, help="llama2.c only: the tok*.bin to use")
+    parser.add_argument("--sparse", choices=("auto", *AUTO_PATTERNS), default=None,
+                        help="write a packed checkpoint: the layers whose zeros follow this N:M pattern "
+                             "(auto: the finest one found) are packed, the others stay dense")
     args = parser.parse_args(argv)
     dtype = DTYPES[args.dtype] if args.dtype else None
     try:
         if args.folder is not None:
-            convert_hf_folder(args.folder, args.out, dtype or torch.bfloat16)
+            convert_hf_folder(args.folder, args.out, dtype or torch.bfloat16, args.sparse)
         elif args.gguf is not None or args.embedded_smollm2:
-            convert_gguf(args.gguf or embedded_smollm2_gguf(), args.out, dtype or torch.bfloat16)
+            convert_gguf(args.gguf or embedded_smollm2_gguf(), args.out, dtype or torch.bfloat16, args.sparse)
         else:
-            convert_llama2c(args.llama2c, args.out, dtype or torch.float32, args.tokenizer)
+            convert_llama2c(args.llama2c, args.out, dtype or torch.float32, args.tokenizer, args.sparse)
     except (ConversionError, CheckpointError) as e:
         cli_args.exit_with_error(e)
 
