@@ -166,6 +166,12 @@ def evaluate(checkpoint, tasks: list[str], *, device="cpu", dtype=None, batch_si
     if unknown:
         raise ValueError(f"unknown lm-eval task '{unknown[0]}' (lm-eval {lm_eval.__version__} lists "
                          f"{len(task_manager.all_tasks)}; --include_path adds a folder of task YAMLs)")
+    try:  # the datasets first, so an offline machine hears it before the model is loaded
+        task_manager.load_task_or_group(tasks)
+    except ConnectionError as e:
+        raise ValueError(f"cannot fetch the datasets of {','.join(tasks)} ({str(e).strip().splitlines()[0]}); "
+                         f"lm-eval needs the Hugging Face hub once for each task, or --include_path with local "
+                         f"data") from None
     model = SparseDecodingLM(checkpoint, device=device, dtype=dtype, batch_size=batch_size, compile=compile)
     return lm_eval.simple_evaluate(model=model, tasks=tasks, num_fewshot=num_fewshot, limit=limit,
                                    task_manager=task_manager, log_samples=log_samples)

@@ -105,6 +105,19 @@ def test_cli_unknown_task_is_one_line_before_loading(smollm2_checkpoint, capsys)
     assert "unknown lm-eval task 'no_such_task'" in capsys.readouterr().err
 
 
+def test_cli_offline_datasets_are_one_line_before_the_model_loads(smollm2_checkpoint, capsys, monkeypatch):
+    """A hub task on a machine without the hub (offline mode, so nothing is fetched even online)."""
+    import evaluation.lm_eval_adapter as adapter
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(adapter, "SparseDecodingLM", lambda *a, **k: pytest.fail("loaded the model"))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--checkpoint", str(smollm2_checkpoint), "--tasks", "boolq"])
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert "cannot fetch the datasets of boolq" in lines[-1] and "Traceback" not in "".join(lines)
+
+
 def scored_requests():
     contexts = ["The capital of France is", "Question: How many legs does a spider have?\nAnswer:"]
     return ([Instance("loglikelihood", {}, (c, x), i) for i, (c, x) in
