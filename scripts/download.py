@@ -7,12 +7,12 @@ Only what conversion needs is fetched: configs, safetensors weights and tokenize
 (pytorch_model*.bin with --bin, for repos that have no safetensors). Without network access this
 says so in one line; copy the model folder by other means and run convert_hf.py on it.
 """
-import argparse
 import shutil
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
+import cli_args  # noqa: E402
 
 ALLOW_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.jinja", "vocab.json", "merges.txt"]
 
@@ -40,7 +40,7 @@ def download(repo_id: str, out: Path, token=None, include_bin: bool = False) -> 
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = cli_args.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repo_id", required=True, help="e.g. Qwen/Qwen3-0.6B")
     parser.add_argument("--out", type=Path, help="target folder (default: checkpoints/<repo_id>)")
     parser.add_argument("--hf_token", default=None, help="for gated or private repos")

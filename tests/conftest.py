@@ -9,6 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
+# The `interpreted` tests run in one TRITON_INTERPRET=1 subprocess, each reported here once.
+from tests.interpreted_tests import (pytest_collection_modifyitems, pytest_pyfunc_call,  # noqa: F401
+                                     pytest_runtest_logreport, pytest_sessionfinish)
+
 REPO = Path(__file__).resolve().parent.parent
 SHARED = REPO.parent / "shared"
 STORIES260K_DIR = SHARED / "models" / "stories260K"

@@ -14,7 +14,7 @@ import torch
 import generate
 from checkpoint import save_checkpoint
 from model import ModelArgs, Transformer
-from tests.sparse_kernel_testing import relative_error
+from tests.sparse_kernel_testing import interpreted, relative_error
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = {
@@ -142,19 +142,16 @@ def test_greedy_matches_float64_full_sequence_reference(kind):
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-@pytest.mark.skipif(INTERPRETING, reason="this is the subprocess")
-def test_decode_attention_plug_under_the_interpreter():
-    """The plug's tests run the Triton kernel on CPU, in a fresh process with TRITON_INTERPRET=1 (Triton
-    reads it when a kernel is first defined); here, without it, nothing is plugged in."""
+@pytest.mark.skipif(INTERPRETING, reason="checks the CPU without the interpreter")
+def test_no_decode_attention_plug_on_the_cpu_without_the_interpreter():
+    """The plug's other tests run the Triton kernel on CPU under TRITON_INTERPRET=1 (marked
+    `interpreted`: tests/interpreted_tests.py); without it nothing is plugged in."""
     model = tiny_model()
     assert not generate.install_decode_attention(model)
     assert all(layer.attention.decode_attention is None for layer in model.layers)
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "plug"],
-                          env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
 
 
-@pytest.mark.skipif(not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess")
+@interpreted
 @pytest.mark.parametrize("qk_norm", [False, True])  # Llama; Qwen3 (its q/k norms in the kernel)
 @torch.no_grad()
 def test_plug_decodes_the_logits_of_plain_pytorch(qk_norm):
@@ -184,7 +181,7 @@ def test_plug_decodes_the_logits_of_plain_pytorch(qk_norm):
         torch.testing.assert_close(ours.attention.kv_cache.v_cache, theirs.attention.kv_cache.v_cache)
 
 
-@pytest.mark.skipif(not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess")
+@interpreted
 def test_plug_is_not_installed_for_a_head_dim_the_kernel_does_not_support():
     model = tiny_model("qwen3")  # head_dim 12
     assert not generate.install_decode_attention(model)
@@ -197,7 +194,7 @@ def gemv_as_inductor_decomposes_it_on_the_gpu(a, b, out_dtype=None):
     return (a.float().unsqueeze(2) * b.float().unsqueeze(0)).sum(dim=1).to(a.dtype)
 
 
-@pytest.mark.skipif(not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess")
+@interpreted
 @pytest.mark.parametrize("gemv_as_on_the_gpu,qk_norm", [(False, False), (True, False), (False, True)])
 def test_compiled_decode_step_hands_the_plug_whole_buffers(gemv_as_on_the_gpu, qk_norm, monkeypatch):
     # The compiled decode step around the kernels (on CPU: Inductor's C++ code, the kernels under
