@@ -258,8 +258,15 @@ def generation_calibration(model, prompts: list, n_tokens: int, max_new_tokens: 
         steps = max_new_tokens if compile else min(max_new_tokens, math.ceil(remaining / useful) + 1)
         batch = [prompts[(started + j) % len(prompts)] for j in range(size)]
         started += useful
+
+        def show_progress(tokens, total_before=total, budget=remaining, rows=useful):
+            # While the batch runs: its kept rows' decode steps so far (rows that already hit EOS
+            # included); the exact count replaces it when the batch ends.
+            progress.n = total_before + min(budget, rows * (tokens.shape[1] - 1))
+            progress.update(0)  # redraws at tqdm's usual pace, not every step
+
         result = generate(model, batch, steps, temperature=temperature, top_k=top_k, top_p=top_p,
-                          eos_ids=eos_ids, seed=seed + n_batches, compile=compile)
+                          eos_ids=eos_ids, seed=seed + n_batches, compile=compile, on_tokens=show_progress)
         n_batches += 1
         total_before = total
         for sequence, prompt_len in list(zip(result.sequences, result.prompt_lengths))[:useful]:
@@ -273,7 +280,8 @@ def generation_calibration(model, prompts: list, n_tokens: int, max_new_tokens: 
             sequences.append(sequence)
             counted.append(is_decode)
             total += n_decode
-        progress.update(total - total_before)
+        progress.n = total
+        progress.refresh()
         empty_batches = empty_batches + 1 if total == total_before else 0
         if empty_batches * batch_size >= len(prompts) + batch_size:
             tqdm.write(f"stopping at {total} decode tokens: a whole pass over the prompts gave none (all ended at once)")

@@ -356,6 +356,30 @@ def test_bytes_read_per_step_counts_weights_once_and_the_whole_cache():
         weights=expected_weights, kv_cache=expected_cache, total=expected_weights + expected_cache)
 
 
+def test_bytes_read_per_step_of_a_sparse_model_on_the_cpu_are_dense_sized():
+    """On the CPU (no Triton interpreter) SparseLinear multiplies by its weight expanded to dense, so a
+    step reads as many weight bytes as the dense model; where the kernels run, values + masks."""
+    from sparse import swap_to_sparse
+
+    torch.manual_seed(0)
+    dense = Transformer(ModelArgs(**dict(TINY["llama"], intermediate_size=64))).eval()  # 64: whole mask words
+    dense.setup_caches(1, 40)
+    sparse_model = swap_to_sparse(copy.deepcopy(dense), "2:4")
+    sparse_model.setup_caches(1, 40)
+    assert generate.bytes_read_per_step(sparse_model, 1) == generate.bytes_read_per_step(dense, 1)
+    layer = sparse_model.layers[0].attention.wqkv
+    assert layer.runs_expanded == (not INTERPRETING)
+    packed = layer.values.nbytes + layer.mask.nbytes
+    assert layer.bytes_read_per_step() == (packed if INTERPRETING else layer.in_features * layer.out_features * 4)
+
+
+def test_on_tokens_sees_the_ids_as_they_grow():
+    model, seen = tiny_model(), []
+    result = generate.generate(model, [random_prompt(5, 1)], 9, on_tokens=lambda ids: seen.append(ids.clone()))
+    assert [ids.shape[1] for ids in seen] == list(range(1, 10)) + [9]  # prefill, each step, the end
+    assert torch.equal(seen[-1][0], result.new_tokens[0])
+
+
 # --- command line -----------------------------------------------------------------------------
 
 
@@ -429,6 +453,32 @@ def test_cli_prompt_longer_than_context(tiny_checkpoint_with_tokenizer):
     prompt = " ".join(["w1"] * 80)  # block_size is 64
     result = run_cli("--checkpoint", tiny_checkpoint_with_tokenizer, "--prompt", prompt)
     assert_one_error_line(result, "context")
+
+
+def test_cli_takes_a_folder_holding_one_checkpoint_and_streams_after_the_prompt(tiny_checkpoint_with_tokenizer):
+    result = run_cli("--checkpoint", tiny_checkpoint_with_tokenizer.parent, "--prompt", "w1 w2 w3",
+                     "--max_new_tokens", 6, "--temperature", 0)
+    assert result.returncode == 0, result.stderr
+    assert f"Loaded {tiny_checkpoint_with_tokenizer} " in result.stdout
+    model = generate.load_model(tiny_checkpoint_with_tokenizer, "cpu", torch.float32)
+    from tokenizer import load_tokenizer
+    tokenizer = load_tokenizer(tiny_checkpoint_with_tokenizer.parent)
+    ids = generate.generate(model, [torch.tensor(tokenizer.encode("w1 w2 w3", bos=True))], 6).new_tokens[0]
+    assert "w1 w2 w3" + tokenizer.decode(ids.tolist()) in result.stdout  # the prompt echoed, then the text
+
+
+def test_cli_folder_with_several_checkpoints_lists_them(tiny_checkpoint_with_tokenizer):
+    folder = tiny_checkpoint_with_tokenizer.parent
+    (folder / "pruned-2of4.pth").write_bytes(tiny_checkpoint_with_tokenizer.read_bytes())
+    result = run_cli("--checkpoint", folder)
+    assert_one_error_line(result, "holds 2 checkpoints (model.pth, pruned-2of4.pth)")
+    assert result.returncode == 2
+
+
+def test_cli_folder_without_a_checkpoint(tmp_path):
+    result = run_cli("--checkpoint", tmp_path)
+    assert_one_error_line(result, "no checkpoint (.pth) in the folder")
+    assert result.returncode == 2
 
 
 def test_cli_generates_and_reports_speed(tiny_checkpoint_with_tokenizer):
