@@ -93,8 +93,12 @@ def pytest_runtest_logreport(report):
     if report.failed:
         entry.update(outcome="failed", text=(entry["text"] + "\n" + report.longreprtext).strip())
     elif report.skipped and entry["outcome"] != "failed":
-        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
-        entry.update(outcome="skipped", text=reason.removeprefix("Skipped: "))
+        if isinstance(report.longrepr, tuple):  # (file, line, reason): the reason names where it was skipped
+            path, line, reason = report.longrepr
+            reason = f"{reason.removeprefix('Skipped: ')} ({Path(path).name}:{line}, under TRITON_INTERPRET=1)"
+        else:
+            reason = str(report.longrepr)
+        entry.update(outcome="skipped", text=reason)
 
 
 def pytest_sessionfinish(session):
