@@ -5,9 +5,9 @@
 #   position, the attention sink, calibrate) -> stream a sparse generation with generate.py ->
 #   sum up dense against sparse (scripts/demo_summary.py): decode tok/s on this hardware, bytes read
 #   per step, KL and top-1 agreement to the dense model on held-out prompts, one sample each.
-# Defaults, and why: 16:32 is the N:M pattern (one the kernels run) that keeps a 135M model's text
-# readable; at 2:4 SparseGPT's SmolLM2 drifts into repetition within a sentence (KL to dense about
-# twice 16:32's, docs/RESULTS.md; README "The main job" has this demo's numbers). Counting the first
+# Defaults, and why: 16:32, the largest groups the kernels run, is the N:M pattern nearest to
+# unstructured 50 %; at 2:4 SparseGPT's SmolLM2 repeats itself within a sentence (KL to dense 1.43
+# at 2:4 against 0.84 at 8:16, docs/RESULTS.md; README "The main job" has this demo's numbers). Counting the first
 # position keeps SparseGPT from breaking the model's attention sink (docs/RESULTS.md). 2000 decode
 # tokens keep the prune near a minute on two CPU cores; real models use about 1M.
 # On a CUDA machine generation is compiled (CUDA graphs) and the sparse layers run the Triton

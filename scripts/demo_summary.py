@@ -71,7 +71,7 @@ def summarize(dense_path, sparse_path, prompts: list, device: str, max_new_token
 
 def report(s: dict) -> str:
     dense, sparse, f = s["dense"], s["sparse"], s["fidelity"]
-    bytes_note = ("the sparse layers run expanded to dense here (no sparse kernel on this device)"
+    bytes_note = ("the sparse layers run expanded to dense here: no sparse kernel on this device"
                   if sparse["expanded"] else "packed values + bitmasks" if s["pattern"] != "dense" else "")
     lines = [
         f"== dense vs sparse {s['pattern']} on {s['device']} ({s['hardware']}; {s['dtype']}, torch {torch.__version__})",
