@@ -84,6 +84,24 @@ def same_file(a, b) -> bool:
         return False
 
 
+def checkpoint_file(path) -> Path:
+    """The checkpoint a user named: a file as it is, or the one .pth inside a folder (a converted
+    model's folder holds model.pth beside its tokenizer). CheckpointError for a folder with none
+    or several (listed, so the user can pick one), and for a path that does not exist."""
+    path = Path(path)
+    if not path.is_dir():
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint not found: {path}")
+        return path
+    found = sorted(p for p in path.glob("*.pth") if p.is_file())
+    if len(found) == 1:
+        return found[0]
+    if not found:
+        raise CheckpointError(f"no checkpoint (.pth) in the folder {path}")
+    raise CheckpointError(f"the folder {path} holds {len(found)} checkpoints ({', '.join(p.name for p in found)}); "
+                          f"pass one of them")
+
+
 def load_checkpoint(path, mmap: bool = True):
     """Returns (state_dict, ModelArgs, metadata). Raises CheckpointError with one clear line."""
     path = Path(path)

@@ -13,8 +13,43 @@ import sys
 USAGE_ERROR = 2
 
 
+def _shows_default(action) -> bool:
+    default = action.default
+    # Identity, not ==: a default of 0 is worth showing, a store_true's False is not.
+    return (bool(action.option_strings) and default is not None and default is not False
+            and default is not argparse.SUPPRESS and default != [])
+
+
+def _default_text(action) -> str:
+    default = action.default
+    value = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else str(default)
+    return value.replace("%", "%%")  # argparse %-formats help strings
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """--help shows every option's default beside its help; a help text that already names its
+    default is left as written."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if not _shows_default(action) or "default" in text.lower():
+            return text
+        return f"{text} (default: {_default_text(action)})"
+
+
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line (the usage text is what --help is for)."""
+    """argparse, but a usage error is one line (the usage text is what --help is for), and --help
+    shows each option's default (DefaultsHelpFormatter), also where the option has no help text."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def _add_action(self, action):
+        # argparse prints nothing for an option without help text, not even through the formatter.
+        if action.help is None and _shows_default(action):
+            action.help = f"default: {_default_text(action)}"
+        return super()._add_action(action)
 
     def error(self, message):
         exit_with_error(f"{message} (see --help)", self.prog)

@@ -31,7 +31,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch._inductor
@@ -40,7 +40,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import cli_args
 import tp
-from checkpoint import CheckpointError, load_checkpoint
+from checkpoint import CheckpointError, checkpoint_file, load_checkpoint
 from model import Attention, KVCache, Transformer
 from tokenizer import find_tokenizer, load_tokenizer
 
@@ -304,7 +304,8 @@ def check_sampling(temperature: float, top_k: Optional[int], top_p: Optional[flo
 def generate(model: Transformer, prompts: Sequence[Tensor], max_new_tokens: int, *, temperature: float = 0.0,
              top_k: Optional[int] = None, top_p: Optional[float] = None, eos_ids=(), seed: Optional[int] = None,
              generator: Optional[torch.Generator] = None, compile: bool = False, compile_prefill: bool = False,
-             progress: bool = False, pad_id: int = 0) -> GenerationResult:
+             progress: bool = False, pad_id: int = 0,
+             on_tokens: Optional[Callable[[Tensor], None]] = None) -> GenerationResult:
     """Continue each prompt (a list of 1-D token-id tensors, lengths may differ) by up to max_new_tokens.
 
     Prompts are left-padded into one batch. The KV-cached step t >= 1 feeds generated token t-1
@@ -312,6 +313,11 @@ def generate(model: Transformer, prompts: Sequence[Tensor], max_new_tokens: int,
     prompt_len .. len(sequence) - 2. Generation stops when every row has produced one of
     `eos_ids` (rows that finished early keep being fed tokens, but their output is cut) or
     after max_new_tokens; it is also cut short where the model's context ends.
+
+    on_tokens, if given, is called with the ids generated so far ([B, n] on the model's device):
+    after the prefill, then every decode step on the CPU but only every EOS_CHECK_INTERVAL steps
+    on CUDA, where looking at the ids waits for the GPU (the EOS check already waits there), and
+    once at the end. It lets a caller stream text or move a progress bar; the ids are the same.
     """
     device = model.tok_embeddings.weight.device
     prompts = [torch.as_tensor(p, dtype=torch.long).flatten() for p in prompts]
@@ -355,6 +361,8 @@ def generate(model: Transformer, prompts: Sequence[Tensor], max_new_tokens: int,
         out[:, 0] = prefill_fn(model, tokens, torch.arange(prompt_width, device=device), noise(), **sampling)
         sync()
         prefill_s = time.perf_counter() - start
+        if on_tokens is not None:
+            on_tokens(out[:, :1])
 
         input_pos = torch.tensor([prompt_width], dtype=torch.long, device=device)
         # The step's input is a [B, 1] buffer of its own, not a slice of `out`: a slice's stride
@@ -372,8 +380,12 @@ def generate(model: Transformer, prompts: Sequence[Tensor], max_new_tokens: int,
                 input_pos += 1
                 steps += 1
                 clock.mark()
+                if on_tokens is not None and (not on_cuda or steps % EOS_CHECK_INTERVAL == 0):
+                    on_tokens(out[:, :steps])
         sync()
         decode_s = time.perf_counter() - start
+        if on_tokens is not None:
+            on_tokens(out[:, :steps])
 
     generated = out[:, :steps].cpu()
     new_tokens = [_cut_after_eos(row, eos_ids) for row in generated]
@@ -440,8 +452,9 @@ def _cut_after_eos(row: Tensor, eos_ids) -> Tensor:
 def bytes_read_per_step(model: Transformer, batch_size: int) -> dict:
     """Bytes one decode step reads from memory, by kind.
 
-    weights: every linear (dense weight, or sparse values + masks), norms and the lm_head in
-    full, but only the embedding rows looked up. kv_cache: the KV cache for `batch_size` rows
+    weights: every linear (dense weight, or sparse values + masks where the kernels run; on the
+    CPU the sparse layers run expanded to dense, so dense-sized), norms and the lm_head in full,
+    but only the embedding rows looked up. kv_cache: the KV cache for `batch_size` rows
     over the *whole* allocated length, because the masked SDPA scores every slot and lets the
     mask zero the future ones (like GPT-Fast). On CUDA the decode-attention kernel skips blocks
     of unused slots, so there this is an upper bound.
@@ -451,6 +464,8 @@ def bytes_read_per_step(model: Transformer, batch_size: int) -> dict:
     for module in model.modules():
         if isinstance(module, KVCache):
             kv_cache += module.k_cache[:batch_size].nbytes + module.v_cache[:batch_size].nbytes
+        elif hasattr(module, "bytes_read_per_step"):  # SparseLinear: packed, or expanded on the CPU
+            weights += module.bytes_read_per_step()
         # The model's own buffers are RoPE / mask tables (a row of each per step). A tied lm_head
         # is counted in full under model.output, the embedding module itself is skipped.
         elif module is not model and module is not model.tok_embeddings:
@@ -497,22 +512,24 @@ def main(argv=None):
 
 def parse_args(argv=None):
     p = cli_args.ArgumentParser(description="Generate text with a dense or N:M-sparse checkpoint.")
-    p.add_argument("--checkpoint", "--checkpoint_path", dest="checkpoint", type=Path, required=True)
+    p.add_argument("--checkpoint", "--checkpoint_path", dest="checkpoint", type=Path, required=True,
+                   help="a .pth checkpoint (dense or packed-sparse), or a folder holding exactly one")
     p.add_argument("--tokenizer", type=Path, help="tokenizer file or folder (default: found beside the checkpoint)")
-    p.add_argument("--prompt", default="Hello, my name is")
+    p.add_argument("--prompt", default="Hello, my name is", help="text to continue (with --chat: the user's message)")
     p.add_argument("--prompts_file", type=Path, help="one prompt per line; generated together as one batch")
-    p.add_argument("--max_new_tokens", type=cli_args.positive_int, default=200)
+    p.add_argument("--max_new_tokens", type=cli_args.positive_int, default=200, help="tokens generated per prompt at most")
     p.add_argument("--temperature", type=cli_args.temperature, default=0.8, help="0 = greedy")
     p.add_argument("--top_k", type=cli_args.top_k, default=200, help="tokens kept per step, or 'off'")
-    p.add_argument("--top_p", type=cli_args.top_p, default=None)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--top_p", type=cli_args.top_p, default=None, help="nucleus mass kept per step (default: off)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: none; torch's global random generator)")
     p.add_argument("--batch_size", type=cli_args.positive_int, default=1, help="repeat --prompt this many times")
-    p.add_argument("--num_samples", type=cli_args.positive_int, default=1)
+    p.add_argument("--num_samples", type=cli_args.positive_int, default=1, help="times the whole generation is repeated")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--interactive", action="store_true", help="multi-turn chat in the terminal")
     p.add_argument("--compile", action="store_true", help="CUDA-graph the decode step (torch.compile)")
     p.add_argument("--compile_prefill", action="store_true", help="also compile the prefill (dynamic shapes)")
-    p.add_argument("--device", type=cli_args.device, default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", type=cli_args.device, default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="cpu, cuda or cuda:N (default: cuda where there is one, else cpu)")
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
                    help="default: bfloat16 on CUDA, float32 on CPU")
     return p.parse_args(argv)
@@ -522,6 +539,7 @@ def run(args):
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("--device cuda was asked for but no CUDA device is available")
     dtype = getattr(torch, args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))
+    args.checkpoint = checkpoint_file(args.checkpoint)  # a model's folder names its one .pth
     start = time.perf_counter()
     # Under torchrun (tp.py): each process takes its GPU and its slices of the model, then joins the others.
     args.device = tp.process_device(args.device)
@@ -553,14 +571,40 @@ def run(args):
         texts = [args.prompt] * args.batch_size  # "" is fine: the model starts from BOS
     prompts = [torch.tensor(encode(t)) for t in texts]
     for i in range(args.num_samples):
-        result = generate(model, prompts, args.max_new_tokens, progress=not args.compile and tp.is_main_process(),
-                          **sampling)
-        for row in result.new_tokens:
-            print(tokenizer.decode([t for t in row.tolist() if t not in tokenizer.eos_ids]), flush=True)
-            print("-" * 40)
+        if len(prompts) == 1:  # one row: echo the prompt, then stream the text as it is generated
+            print(texts[0], end="\n" if args.chat else "", flush=True)
+            stream = TextStream(tokenizer)
+            result = generate(model, prompts, args.max_new_tokens, on_tokens=stream, **sampling)
+            print(flush=True)
+        else:
+            result = generate(model, prompts, args.max_new_tokens, progress=not args.compile and tp.is_main_process(),
+                              **sampling)
+            for row in result.new_tokens:
+                print(tokenizer.decode([t for t in row.tolist() if t not in tokenizer.eos_ids]), flush=True)
+                print("-" * 40)
         compiled_note = " (includes compilation)" if args.compile and i == 0 else ""
         print(f"sample {i + 1}{compiled_note}:")
         print_stats(model, result, args.device)
+
+
+class TextStream:
+    """generate()'s on_tokens for one row: prints the text of the ids as they grow, up to the first
+    EOS. The whole row is decoded each time and only the new end printed, since a token's text can
+    depend on its neighbours (a multi-byte character split over two tokens is held back until whole)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.printed = tokenizer, ""
+
+    def __call__(self, tokens: Tensor):
+        ids = []
+        for t in tokens[0].tolist():
+            if t in self.tokenizer.eos_ids:
+                break
+            ids.append(t)
+        text = self.tokenizer.decode(ids)
+        if text.startswith(self.printed) and not text.endswith("\ufffd"):
+            print(text[len(self.printed):], end="", flush=True)
+            self.printed = text
 
 
 def chat_loop(model, tokenizer, max_new_tokens, sampling):
@@ -595,6 +639,9 @@ def print_stats(model, result: GenerationResult, device):
         print(f"  bandwidth: {step_bytes['total'] / 1e9:.3g} GB read per step (weights {step_bytes['weights'] / 1e9:.3g}, "
               f"KV cache {step_bytes['kv_cache'] / 1e9:.3g} over all {model.max_seq_length} slots, as the masked "
               f"attention reads them) x {per_second:.1f} steps/s = {step_bytes['total'] * per_second / 1e9:.3g} GB/s")
+        if any(getattr(m, "runs_expanded", False) for m in model.modules()):
+            print("  (the sparse layers run expanded to dense weights here, without the Triton kernels, so a step "
+                  "reads what the dense model's does)")
     print(f"  prefill: {max(result.prompt_lengths)} x {rows} tokens in {result.prefill_s:.3f} s")
     print(f"  peak memory: {peak_memory_bytes(device) / 1e9:.2f} GB", flush=True)
 

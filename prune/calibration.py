@@ -363,8 +363,15 @@ def generation_calibration(model, prompts: list, n_tokens: int, max_new_tokens: 
         indices = [(started + j) % len(prompts) for j in range(size)]
         batch = [prompts[i] for i in indices]
         started += useful
+
+        def show_progress(tokens, total_before=total, budget=remaining, rows=useful):
+            # While the batch runs: its kept rows' decode steps so far (rows that already hit EOS
+            # included); the exact count replaces it when the batch ends.
+            progress.n = total_before + min(budget, rows * (tokens.shape[1] - 1))
+            progress.update(0)  # redraws at tqdm's usual pace, not every step
+
         result = generate(model, batch, steps, temperature=temperature, top_k=top_k, top_p=top_p,
-                          eos_ids=eos_ids, seed=seed + n_batches, compile=compile)
+                          eos_ids=eos_ids, seed=seed + n_batches, compile=compile, on_tokens=show_progress)
         n_batches += 1
         total_before = total
         for sequence, prompt_len, index in list(zip(result.sequences, result.prompt_lengths, indices))[:useful]:
@@ -380,7 +387,8 @@ def generation_calibration(model, prompts: list, n_tokens: int, max_new_tokens: 
             sequence_domains.append(domains[index])
             prompt_lengths.append(int(prompt_len))
             total += n_decode
-        progress.update(total - total_before)
+        progress.n = total
+        progress.refresh()
         empty_batches = empty_batches + 1 if total == total_before else 0
         if empty_batches * batch_size >= len(prompts) + batch_size:
             tqdm.write(f"stopping at {total} decode tokens: a whole pass over the prompts gave none (all ended at once)")

@@ -457,7 +457,7 @@ def parse_args(argv):
     p = cli_args.ArgumentParser(prog="python -m prune", description="Prune a checkpoint's block linears "
                                 "(SparseGPT, Wanda or magnitude) and write a packed sparse checkpoint.")
     p.add_argument("--checkpoint", "--checkpoint_path", required=True, help="dense source checkpoint (.pth)")
-    p.add_argument("--method", choices=list(METHODS), default="sparsegpt")
+    p.add_argument("--method", choices=list(METHODS), default="sparsegpt", help="pruning solver")
     p.add_argument("--pattern", default="2:4", help="N:M (2:4, 4:8, 8:16, 16:32) or unstructured percentage (50%%)")
     p.add_argument("--calib", choices=SOURCES, default="decode", help=CALIB_HELP)
     p.add_argument("--prompts", help="prompt file for every --calib but text (jsonl: field prompt/input/text, optional "
@@ -468,14 +468,16 @@ def parse_args(argv):
     p.add_argument("--seq_len", type=cli_args.positive_int, help="window length for --calib text (default: 2048, or the model's context if shorter)")
     p.add_argument("--out", required=True, help="output checkpoint (.pth), written atomically")
     p.add_argument("--generator", help="checkpoint that generates the calibration text (same tokenizer); default: the pruned model")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", type=cli_args.device, default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--max_new_tokens", type=cli_args.positive_int, default=512)
+    p.add_argument("--seed", type=int, default=0, help="seed of the calibration sampling or window draw")
+    p.add_argument("--device", type=cli_args.device, default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="cpu, cuda or cuda:N (default: cuda where there is one, else cpu)")
+    p.add_argument("--max_new_tokens", type=cli_args.positive_int, default=512,
+                   help="--calib decode: longest continuation generated per prompt")
     p.add_argument("--batch_size", type=cli_args.positive_int, help="prompts generated at once (default: 128 on CUDA, where the decode "
                    "is memory-bound and a batch costs about what one row does; 16 on the CPU)")
-    p.add_argument("--temperature", type=cli_args.temperature, default=0.7)
+    p.add_argument("--temperature", type=cli_args.temperature, default=0.7, help="calibration sampling temperature")
     p.add_argument("--top_k", type=cli_args.top_k, default=20, help="tokens kept per step, or 'off'")
-    p.add_argument("--top_p", type=cli_args.top_p, default=0.8)
+    p.add_argument("--top_p", type=cli_args.top_p, default=0.8, help="calibration sampling nucleus mass")
     p.add_argument("--greedy", action="store_true", help="greedy decoding instead of sampling")
     p.add_argument("--no_compile", action="store_true", help="do not torch.compile the generation on CUDA")
     add_pruning_args(p)

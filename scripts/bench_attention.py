@@ -15,7 +15,6 @@ Each setting's output is checked against float32 attention over the cache it wro
 
     python scripts/bench_attention.py --batches 1,4,8,16 --slots 768,4096 --out-md runs/attention.md
 """
-import argparse
 import itertools
 import json
 import sys
@@ -24,6 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import cli_args  # noqa: E402
 from model import ModelArgs, apply_rope, precompute_rope  # noqa: E402
 from sparse.kernels import decode_attention  # noqa: E402
 from sparse.kernels.tuning import copies_for, time_in_cuda_graph  # noqa: E402
@@ -126,7 +126,7 @@ def markdown_table(rows: list) -> str:
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = cli_args.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", default="Llama-3.1-8B", help="comma-separated model.py config names")
     p.add_argument("--batches", default="1,4,8,16")
     p.add_argument("--slots", default="768,4096", help="cache lengths (all slots in use)")

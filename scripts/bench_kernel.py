@@ -25,7 +25,6 @@ in the table each timed kernel's tuned launch against float64 (`check_against_fl
     python scripts/bench_kernel.py --unpack-sweep all   # the prefill's expansion kernel, config by config
     python scripts/bench_kernel.py --ncu-shapes 4096x4096   # targets for Nsight Compute (see ncu_targets)
 """
-import argparse
 import json
 import statistics
 import sys
@@ -36,6 +35,7 @@ import torch.nn.functional as F
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import cli_args  # noqa: E402
 from sparse import linear  # noqa: E402
 from sparse.format import pack, parse_pattern, unpack  # noqa: E402
 from sparse.kernels import common, mma_sp, spmm, spmv  # noqa: E402
@@ -471,7 +471,7 @@ def markdown_table(rows: list) -> str:
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = cli_args.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", default=",".join(SHAPES), help="comma-separated subset of " + ", ".join(SHAPES))
     p.add_argument("--batches", default=f"1,4,8,16,{PREFILL}")
     p.add_argument("--patterns", default="2:4")

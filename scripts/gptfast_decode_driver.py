@@ -39,16 +39,17 @@ def random_gptfast_model(gptfast_model, name: str, device: str, dtype):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    # Plain argparse: this driver keeps our modules off its path (GPT-Fast's have the same names).
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--gptfast_dir", type=Path, required=True, help="a copy of pytorch-labs/gpt-fast")
     p.add_argument("--model", required=True, help="a name GPT-Fast's transformer_configs knows, e.g. llama-3.1-8b")
-    p.add_argument("--batch_size", type=int, default=1)
-    p.add_argument("--prompt_length", type=int, default=512)
-    p.add_argument("--new_tokens", type=int, default=256)
-    p.add_argument("--warmup_steps", type=int, default=50)
-    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--batch_size", type=int, default=1, help="rows decoded together")
+    p.add_argument("--prompt_length", type=int, default=512, help="random prompt tokens prefilled first")
+    p.add_argument("--new_tokens", type=int, default=256, help="decode steps generated")
+    p.add_argument("--warmup_steps", type=int, default=50, help="steps left out of the median")
+    p.add_argument("--temperature", type=float, default=0.8, help="GPT-Fast's sampling temperature")
     p.add_argument("--top_k", type=int, default=200, help="0: no top-k")
-    p.add_argument("--device", default="cuda")
+    p.add_argument("--device", default="cuda", help="torch device")
     p.add_argument("--no_compile", action="store_true", help="eager (a CPU smoke test of this script)")
     args = p.parse_args()
 

@@ -18,11 +18,13 @@ date in the name), three figures:
         --kernel runs/gpu_benchmarks/kernel_b1/table.json --label "H200" --out docs/results/speed \\
         --spread "fresh processes=$(echo runs/gpu_benchmarks/dense_spread/run*/bench_decode.json | tr ' ' ,)"
 """
-import argparse
 import json
 import sys
 from collections import defaultdict
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
+import cli_args  # noqa: E402
 
 KERNEL_GOALS = {1: 1.6, 4: 1.4, 16: 1.0, 2048: 0.9}  # issue 3; batch 8 has none
 
@@ -179,7 +181,7 @@ def plot_spread(specs, out: Path, label: str) -> Path:
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = cli_args.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--decode", nargs="*", default=[], help="bench_decode.json files")
     p.add_argument("--kernel", help="bench_kernel.py --out-json file")
     p.add_argument("--spread", nargs="*", default=[], metavar="GROUP=FILE,FILE...",

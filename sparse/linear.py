@@ -220,6 +220,19 @@ class SparseLinear(nn.Module):
                              0.0 if norm is None else norm.eps, residual, gated, self.two_of_four)
 
     @property
+    def runs_expanded(self) -> bool:
+        """True on the CPU without the Triton interpreter: forward multiplies by the weight expanded
+        to dense (_unpacked_for_cpu), not by the packed one."""
+        return _without_kernels(self.values)
+
+    def bytes_read_per_step(self) -> int:
+        """Weight bytes one forward reads: the packed values and mask where the kernels run, the
+        expanded dense weight where it runs_expanded (as many bytes as the dense model's layer)."""
+        if self.runs_expanded:
+            return self.in_features * self.out_features * self.values.element_size()
+        return self.values.nbytes + self.mask.nbytes
+
+    @property
     def two_of_four(self) -> bool:
         return parse_pattern(self.pattern) == (2, 4)
 

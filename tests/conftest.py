@@ -9,8 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from evaluation.data import shared_dir
+
+# The `interpreted` tests run in one TRITON_INTERPRET=1 subprocess, each reported here once.
+from tests.interpreted_tests import (pytest_collection_modifyitems, pytest_pyfunc_call,  # noqa: F401
+                                     pytest_runtest_logreport, pytest_sessionfinish)
+
 REPO = Path(__file__).resolve().parent.parent
-SHARED = REPO.parent / "shared"
+SHARED = shared_dir()  # SPARSEDECODING_SHARED, else ../shared
 STORIES260K_DIR = SHARED / "models" / "stories260K"
 
 # Small enough to convert and run in well under a second, big enough for GQA and several RoPE

@@ -1,13 +1,8 @@
 """Helpers shared by the sparse kernel tests (tests/test_sparse_kernels_*.py, test_sparse_linear.py).
 
-Triton reads TRITON_INTERPRET when it decorates a kernel, i.e. when sparse/ is first imported,
-and other test modules import sparse/ first; so a kernel test module re-runs itself in a fresh
-Python process with the interpreter on (`rerun_under_interpreter`), and its interpreter-only
-tests are marked `interpreted`.
+Tests that run the Triton kernels on the CPU are marked `interpreted`: they run in one
+TRITON_INTERPRET=1 subprocess and are reported here as they ran there (tests/interpreted_tests.py).
 """
-import os
-import subprocess
-import sys
 import zlib
 
 import pytest
@@ -16,16 +11,7 @@ import torch
 from sparse.format import pack
 from sparse.kernels import common, tuning
 
-interpreted = pytest.mark.skipif(not common.INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess")
-
-
-def rerun_under_interpreter(test_file: str):
-    """Run the pytest module `test_file` in a subprocess with TRITON_INTERPRET=1; fail with its output."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file],
-                            env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-
+interpreted = pytest.mark.interpreted
 
 def relative_error(y: torch.Tensor, reference: torch.Tensor) -> float:
     return float((y.double() - reference).norm() / reference.norm())

@@ -6,12 +6,7 @@ import torch
 
 from scripts import bench_attention
 from sparse.kernels import common, decode_attention
-from tests.sparse_kernel_testing import interpreted, relative_error, rerun_under_interpreter
-
-
-@pytest.mark.skipif(common.INTERPRETING, reason="this is the subprocess")
-def test_bench_attention_under_the_interpreter():
-    rerun_under_interpreter(__file__)
+from tests.sparse_kernel_testing import interpreted, relative_error
 
 
 @interpreted

@@ -1,6 +1,7 @@
 """cli_args: the shared argument types, and every command line refusing a bad sampling value or
 budget while parsing, before it loads anything: exit code 2, the flag named on stderr's last line."""
 import argparse
+import re
 import importlib
 import subprocess
 import sys
@@ -132,3 +133,53 @@ def test_evaluation_bad_input_found_while_running_is_one_line_and_exit_code_2(tm
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
         f"error: not a checkpoint: {tmp_path / 'random.pth'} (not a torch zip archive, or a truncated one)"]
+
+
+def test_help_shows_defaults_also_without_a_help_text(capsys):
+    parser = cli_args.ArgumentParser(prog="tool")
+    parser.add_argument("--steps", type=int, default=0)  # 0 is a default worth showing
+    parser.add_argument("--rate", type=float, default=0.5, help="how fast")
+    parser.add_argument("--mode", default="a", help="a or b (default: a, unless b is set)")  # says it already
+    parser.add_argument("--globs", nargs="+", default=["x.*", "y"])
+    parser.add_argument("--flag", action="store_true", help="on or off")
+    parser.add_argument("--name", help="no default")
+    entries = help_entries(parser.format_help())
+    assert entries["--steps"].endswith("default: 0")
+    assert entries["--rate"].endswith("how fast (default: 0.5)")
+    assert entries["--mode"].endswith("a or b (default: a, unless b is set)")
+    assert entries["--globs"].endswith("default: x.* y")
+    assert entries["--flag"].endswith("on or off") and entries["--name"].endswith("no default")
+
+
+def help_entries(text: str) -> dict:
+    """--help output -> {first option string: its entry with whitespace collapsed}."""
+    entries = {}
+    for entry in re.split(r"\n(?=  -)", text):
+        words = entry.split()
+        if words and words[0].startswith("--"):
+            entries[words[0].rstrip(",")] = " ".join(words)
+    return entries
+
+
+# (module, how its main takes argv, flag, its default as --help must show it)
+DEFAULTS = [
+    ("generate", True, "--temperature", "0.8"), ("generate", True, "--top_k", "200"),
+    ("generate", True, "--max_new_tokens", "200"), ("generate", True, "--prompt", "Hello, my name is"),
+    ("prune.run", True, "--method", "sparsegpt"), ("prune.run", True, "--pattern", "2:4"),
+    ("prune.run", True, "--tokens", "1000000"), ("prune.run", True, "--seed", "0"),
+    ("prune.run", True, "--include", "layers.*"),
+    ("scripts.convert_hf", True, "--dtype", "bfloat16"), ("scripts.demo_summary", True, "--limit", "4"),
+    ("scripts.bench_kernel", False, "--batches", "1,4,8,16,"), ("evaluation.fidelity", False, "--limit", "20"),
+    ("evaluation.compare", False, "--max_new_tokens", "128"),
+]
+
+
+@pytest.mark.parametrize("module, takes_argv, flag, default", DEFAULTS)
+def test_every_cli_help_shows_its_defaults(module, takes_argv, flag, default, monkeypatch, capsys):
+    main = importlib.import_module(module).main
+    monkeypatch.setattr("sys.argv", [module, "--help"])
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"]) if takes_argv else main()
+    assert exit_info.value.code == 0
+    entry = help_entries(capsys.readouterr().out)[flag]
+    assert f"default: {default}" in entry, entry

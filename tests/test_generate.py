@@ -14,7 +14,7 @@ import torch
 import generate
 from checkpoint import save_checkpoint
 from model import ModelArgs, Transformer
-from tests.sparse_kernel_testing import relative_error
+from tests.sparse_kernel_testing import interpreted, relative_error
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = {
@@ -142,19 +142,16 @@ def test_greedy_matches_float64_full_sequence_reference(kind):
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-@pytest.mark.skipif(INTERPRETING, reason="this is the subprocess")
-def test_decode_attention_plug_under_the_interpreter():
-    """The plug's tests run the Triton kernel on CPU, in a fresh process with TRITON_INTERPRET=1 (Triton
-    reads it when a kernel is first defined); here, without it, nothing is plugged in."""
+@pytest.mark.skipif(INTERPRETING, reason="checks the CPU without the interpreter")
+def test_no_decode_attention_plug_on_the_cpu_without_the_interpreter():
+    """The plug's other tests run the Triton kernel on CPU under TRITON_INTERPRET=1 (marked
+    `interpreted`: tests/interpreted_tests.py); without it nothing is plugged in."""
     model = tiny_model()
     assert not generate.install_decode_attention(model)
     assert all(layer.attention.decode_attention is None for layer in model.layers)
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "plug"],
-                          env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
 
 
-@pytest.mark.skipif(not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess")
+@interpreted
 @pytest.mark.parametrize("qk_norm", [False, True])  # Llama; Qwen3 (its q/k norms in the kernel)
 @torch.no_grad()
 def test_plug_decodes_the_logits_of_plain_pytorch(qk_norm):
@@ -184,7 +181,7 @@ def test_plug_decodes_the_logits_of_plain_pytorch(qk_norm):
         torch.testing.assert_close(ours.attention.kv_cache.v_cache, theirs.attention.kv_cache.v_cache)
 
 
-@pytest.mark.skipif(not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess")
+@interpreted
 def test_plug_is_not_installed_for_a_head_dim_the_kernel_does_not_support():
     model = tiny_model("qwen3")  # head_dim 12
     assert not generate.install_decode_attention(model)
@@ -197,7 +194,7 @@ def gemv_as_inductor_decomposes_it_on_the_gpu(a, b, out_dtype=None):
     return (a.float().unsqueeze(2) * b.float().unsqueeze(0)).sum(dim=1).to(a.dtype)
 
 
-@pytest.mark.skipif(not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess")
+@interpreted
 @pytest.mark.parametrize("gemv_as_on_the_gpu,qk_norm", [(False, False), (True, False), (False, True)])
 def test_compiled_decode_step_hands_the_plug_whole_buffers(gemv_as_on_the_gpu, qk_norm, monkeypatch):
     # The compiled decode step around the kernels (on CPU: Inductor's C++ code, the kernels under
@@ -359,12 +356,36 @@ def test_bytes_read_per_step_counts_weights_once_and_the_whole_cache():
         weights=expected_weights, kv_cache=expected_cache, total=expected_weights + expected_cache)
 
 
+def test_bytes_read_per_step_of_a_sparse_model_on_the_cpu_are_dense_sized():
+    """On the CPU (no Triton interpreter) SparseLinear multiplies by its weight expanded to dense, so a
+    step reads as many weight bytes as the dense model; where the kernels run, values + masks."""
+    from sparse import swap_to_sparse
+
+    torch.manual_seed(0)
+    dense = Transformer(ModelArgs(**dict(TINY["llama"], intermediate_size=64))).eval()  # 64: whole mask words
+    dense.setup_caches(1, 40)
+    sparse_model = swap_to_sparse(copy.deepcopy(dense), "2:4")
+    sparse_model.setup_caches(1, 40)
+    assert generate.bytes_read_per_step(sparse_model, 1) == generate.bytes_read_per_step(dense, 1)
+    layer = sparse_model.layers[0].attention.wqkv
+    assert layer.runs_expanded == (not INTERPRETING)
+    packed = layer.values.nbytes + layer.mask.nbytes
+    assert layer.bytes_read_per_step() == (packed if INTERPRETING else layer.in_features * layer.out_features * 4)
+
+
+def test_on_tokens_sees_the_ids_as_they_grow():
+    model, seen = tiny_model(), []
+    result = generate.generate(model, [random_prompt(5, 1)], 9, on_tokens=lambda ids: seen.append(ids.clone()))
+    assert [ids.shape[1] for ids in seen] == list(range(1, 10)) + [9]  # prefill, each step, the end
+    assert torch.equal(seen[-1][0], result.new_tokens[0])
+
+
 # --- command line -----------------------------------------------------------------------------
 
 
 def run_cli(*args):
     return subprocess.run([sys.executable, str(REPO / "generate.py"), "--device", "cpu", *map(str, args)],
-                          capture_output=True, text=True, cwd=REPO, timeout=120)
+                          capture_output=True, text=True, cwd=REPO)
 
 
 def assert_one_error_line(result, *phrases):
@@ -447,6 +468,32 @@ def test_cli_prompt_longer_than_context(tiny_checkpoint_with_tokenizer):
     prompt = " ".join(["w1"] * 80)  # block_size is 64
     result = run_cli("--checkpoint", tiny_checkpoint_with_tokenizer, "--prompt", prompt)
     assert_one_error_line(result, "context")
+
+
+def test_cli_takes_a_folder_holding_one_checkpoint_and_streams_after_the_prompt(tiny_checkpoint_with_tokenizer):
+    result = run_cli("--checkpoint", tiny_checkpoint_with_tokenizer.parent, "--prompt", "w1 w2 w3",
+                     "--max_new_tokens", 6, "--temperature", 0)
+    assert result.returncode == 0, result.stderr
+    assert f"Loaded {tiny_checkpoint_with_tokenizer} " in result.stdout
+    model = generate.load_model(tiny_checkpoint_with_tokenizer, "cpu", torch.float32)
+    from tokenizer import load_tokenizer
+    tokenizer = load_tokenizer(tiny_checkpoint_with_tokenizer.parent)
+    ids = generate.generate(model, [torch.tensor(tokenizer.encode("w1 w2 w3", bos=True))], 6).new_tokens[0]
+    assert "w1 w2 w3" + tokenizer.decode(ids.tolist()) in result.stdout  # the prompt echoed, then the text
+
+
+def test_cli_folder_with_several_checkpoints_lists_them(tiny_checkpoint_with_tokenizer):
+    folder = tiny_checkpoint_with_tokenizer.parent
+    (folder / "pruned-2of4.pth").write_bytes(tiny_checkpoint_with_tokenizer.read_bytes())
+    result = run_cli("--checkpoint", folder)
+    assert_one_error_line(result, "holds 2 checkpoints (model.pth, pruned-2of4.pth)")
+    assert result.returncode == 2
+
+
+def test_cli_folder_without_a_checkpoint(tmp_path):
+    result = run_cli("--checkpoint", tmp_path)
+    assert_one_error_line(result, "no checkpoint (.pth) in the folder")
+    assert result.returncode == 2
 
 
 def test_cli_generates_and_reports_speed(tiny_checkpoint_with_tokenizer):
@@ -588,7 +635,7 @@ def test_cli_interactive_chat_with_smollm2(smollm2_checkpoint):
     result = subprocess.run([sys.executable, str(REPO / "generate.py"), "--device", "cpu", "--checkpoint",
                              str(smollm2_checkpoint), "--interactive", "--temperature", "0", "--max_new_tokens", "12"],
                             input="What is the capital of France?\nAnd of Italy?\n", capture_output=True, text=True,
-                            cwd=REPO, timeout=300)
+                            cwd=REPO)
     assert result.returncode == 0, result.stderr
     replies = [line for line in result.stdout.splitlines() if "assistant>" in line]  # after the "you> " prompt
     assert len(replies) == 2 and "Paris" in replies[0]

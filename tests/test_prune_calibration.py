@@ -171,6 +171,34 @@ def test_decode_budget_is_exact_and_cycles_prompts_with_sampling():
     assert not all(torch.equal(a, b) for a, b in zip(first_round, second_round))  # fresh seeds each round
 
 
+def test_decode_calibration_progress_moves_within_a_batch(monkeypatch):
+    """The bar follows the decode steps of a batch as they run, and ends at the exact count."""
+    import prune.calibration as calibration_module
+
+    shown = []
+
+    class RecordingBar:
+        def __init__(self, total, **_):
+            self.n, self.total = 0, total
+
+        def update(self, n=1):
+            self.n += n
+            shown.append(self.n)
+
+        def refresh(self):
+            shown.append(self.n)
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(calibration_module, "tqdm", RecordingBar)
+    calibration = generation_calibration(tiny_model(), [torch.arange(2, 6)], n_tokens=30, max_new_tokens=16,
+                                         batch_size=2)
+    assert calibration.counted_tokens == 30 and shown[-1] == 30
+    first_batch = [n for n in shown if n < 30]
+    assert len(set(first_batch)) >= 10 and first_batch == sorted(first_batch)  # one batch of 2 x 15 steps
+
+
 def test_compiled_generation_keeps_one_batch_shape(monkeypatch):
     """With compile=True every generate() call must see the same batch size, step count and
     KV-cache length (a new shape would recompile the CUDA-graphed step): short last batches are

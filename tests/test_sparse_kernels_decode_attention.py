@@ -8,12 +8,7 @@ import torch
 
 from sparse.kernels import common, decode_attention
 from tests import sass
-from tests.sparse_kernel_testing import interpreted, relative_error, rerun_under_interpreter
-
-
-@pytest.mark.skipif(common.INTERPRETING, reason="this is the subprocess")
-def test_decode_attention_under_the_interpreter():
-    rerun_under_interpreter(__file__)
+from tests.sparse_kernel_testing import interpreted, relative_error
 
 
 def reference_attention(q, k_cache, v_cache, keep):

@@ -8,13 +8,7 @@ import torch
 from sparse.format import pack, unpack
 from sparse.kernels import common, mma_sp
 from tests import sass
-from tests.sparse_kernel_testing import (case_seed, compiled_first, interpreted, random_packed, relative_error,
-                                        rerun_under_interpreter)
-
-
-@pytest.mark.skipif(common.INTERPRETING, reason="this is the subprocess")
-def test_mma_sp_under_the_interpreter():
-    rerun_under_interpreter(__file__)
+from tests.sparse_kernel_testing import (case_seed, compiled_first, interpreted, random_packed, relative_error)
 
 
 def metadata_reference(word: int) -> int:

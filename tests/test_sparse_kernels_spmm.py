@@ -14,14 +14,9 @@ from sparse.format import unpack
 from sparse.kernels import common, spmm
 from tests import sass
 from tests.sparse_kernel_testing import (assert_workspace_zeroed, case_seed, interpreted, random_packed,
-                                        relative_error, rerun_under_interpreter)
+                                        relative_error)
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
-@pytest.mark.skipif(common.INTERPRETING, reason="this is the subprocess")
-def test_spmm_under_the_interpreter():
-    rerun_under_interpreter(__file__)
 
 
 # 40 rows: not a multiple of the 32-row tile; 96 columns = 3 words: a multiple of 32 but not of

@@ -14,14 +14,9 @@ from sparse.format import unpack
 from sparse.kernels import common, mma_sp, spmv
 from tests import sass
 from tests.sparse_kernel_testing import (assert_workspace_zeroed, case_seed, compiled_first, interpreted,
-                                        random_packed, relative_error, rerun_under_interpreter)
+                                        random_packed, relative_error)
 
 PATTERNS = ["2:4", "4:8", "8:16", "16:32", "1:4"]
-
-
-@pytest.mark.skipif(common.INTERPRETING, reason="this is the subprocess")
-def test_spmv_under_the_interpreter():
-    rerun_under_interpreter(__file__)
 
 
 # Every pattern at batch 1 and 3 (padded to 4 lanes); wider batches on two patterns (the

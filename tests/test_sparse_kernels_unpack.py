@@ -7,12 +7,7 @@ import torch
 from sparse.format import unpack
 from sparse.kernels import common
 from sparse.kernels.unpack import unpack_to_dense
-from tests.sparse_kernel_testing import interpreted, random_packed, rerun_under_interpreter
-
-
-@pytest.mark.skipif(common.INTERPRETING, reason="this is the subprocess")
-def test_unpack_under_the_interpreter():
-    rerun_under_interpreter(__file__)
+from tests.sparse_kernel_testing import interpreted, random_packed
 
 
 @interpreted

@@ -14,7 +14,7 @@ from sparse import SparseLinear, pack, sparse_matmul, swap_linears_for_state_dic
 from sparse import linear
 from sparse.format import keep_largest, packed_shapes
 from sparse.kernels import common, mma_sp, spmm, spmv
-from tests.sparse_kernel_testing import interpreted, relative_error, rerun_under_interpreter
+from tests.sparse_kernel_testing import interpreted, relative_error
 
 # The pure-PyTorch path and the stand-in races run in the parent process; the subprocess under
 # TRITON_INTERPRET=1 runs the `interpreted` tests only.
@@ -32,11 +32,6 @@ def test_sparse_linear_matches_pruned_dense(pattern):
     x = torch.randn(2, 3, 96, dtype=torch.float64)
     assert torch.allclose(layer(x), x @ pruned.T)
     assert torch.allclose(sparse_matmul(x, layer.values, layer.mask), x @ pruned.T)
-
-
-@pytest.mark.skipif(common.INTERPRETING, reason="this is the subprocess")
-def test_linear_under_the_interpreter():
-    rerun_under_interpreter(__file__)
 
 
 @parent_process_only
