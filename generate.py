@@ -305,7 +305,7 @@ def generate(model: Transformer, prompts: Sequence[Tensor], max_new_tokens: int,
              top_k: Optional[int] = None, top_p: Optional[float] = None, eos_ids=(), seed: Optional[int] = None,
              generator: Optional[torch.Generator] = None, compile: bool = False, compile_prefill: bool = False,
              progress: bool = False, pad_id: int = 0,
-             on_tokens: Optional[Callable[[Tensor], None]] = None) -> GenerationResult:
+             on_tokens: Optional[Callable[[Tensor], Optional[bool]]] = None) -> GenerationResult:
     """Continue each prompt (a list of 1-D token-id tensors, lengths may differ) by up to max_new_tokens.
 
     Prompts are left-padded into one batch. The KV-cached step t >= 1 feeds generated token t-1
@@ -318,6 +318,8 @@ def generate(model: Transformer, prompts: Sequence[Tensor], max_new_tokens: int,
     after the prefill, then every decode step on the CPU but only every EOS_CHECK_INTERVAL steps
     on CUDA, where looking at the ids waits for the GPU (the EOS check already waits there), and
     once at the end. It lets a caller stream text or move a progress bar; the ids are the same.
+    If it returns True, generation stops there: the caller has what it wanted (e.g. every row has
+    reached one of its stop strings).
     """
     device = model.tok_embeddings.weight.device
     prompts = [torch.as_tensor(p, dtype=torch.long).flatten() for p in prompts]
@@ -381,7 +383,8 @@ def generate(model: Transformer, prompts: Sequence[Tensor], max_new_tokens: int,
                 steps += 1
                 clock.mark()
                 if on_tokens is not None and (not on_cuda or steps % EOS_CHECK_INTERVAL == 0):
-                    on_tokens(out[:, :steps])
+                    if on_tokens(out[:, :steps]):
+                        break
         sync()
         decode_s = time.perf_counter() - start
         if on_tokens is not None:

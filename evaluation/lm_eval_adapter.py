@@ -119,6 +119,13 @@ class SparseDecodingLM(TemplateLM):
             self.cache_hook.add_partial("loglikelihood_rolling", (request.args[0],), totals[-1])
         return totals
 
+    def every_row_stopped(self, ids: torch.Tensor, until: list[str]) -> bool:
+        """generate()'s on_tokens: stop once each row has ended or holds one of its stop strings (the text
+        after it is cut anyway, and the ids before it do not depend on how long generation runs)."""
+        eos = set(self.tokenizer.eos_ids)
+        return all(eos.intersection(row) or any(stop in self.tok_decode(row) for stop in until)
+                   for row in ids.tolist())
+
     @torch.no_grad()
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         import generate
@@ -143,7 +150,8 @@ class SparseDecodingLM(TemplateLM):
                            for _, context, _ in batch]
                 out = generate.generate(self.model, [torch.tensor(p) for p in prompts], max_new,
                                         eos_ids=tuple(self.tokenizer.eos_ids), seed=self.seed,
-                                        compile=self.compile, compile_prefill=self.compile, **sampling)
+                                        compile=self.compile, compile_prefill=self.compile,
+                                        on_tokens=lambda ids: self.every_row_stopped(ids, until), **sampling)
                 for (i, context, gen_kwargs), new in zip(batch, out.new_tokens):
                     text = self.tok_decode(new.tolist())
                     for stop in until:

@@ -380,6 +380,13 @@ def test_on_tokens_sees_the_ids_as_they_grow():
     assert torch.equal(seen[-1][0], result.new_tokens[0])
 
 
+def test_on_tokens_returning_true_stops_generation_with_the_same_prefix():
+    model, prompt = tiny_model(), random_prompt(5, 1)
+    full = generate.generate(model, [prompt], 12)
+    cut = generate.generate(model, [prompt], 12, on_tokens=lambda ids: ids.shape[1] >= 4)
+    assert cut.decode_steps == 3 and torch.equal(cut.new_tokens[0], full.new_tokens[0][:4])
+
+
 # --- command line -----------------------------------------------------------------------------
 
 
