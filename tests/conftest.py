@@ -28,6 +28,8 @@ TINY_HF_CONFIGS = {
                                          rope_scaling=_LLAMA31_SCALING)),
     # head_dim 24 != hidden_size / heads = 16, like the real Qwen3 models (128 != dim / heads).
     "qwen3": ("Qwen3Config", dict(_LLAMA, head_dim=24, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True)),
+    # q/k/v biases (drawn like the weights by make_tiny_hf_model), as Qwen2.5's.
+    "qwen2": ("Qwen2Config", dict(_LLAMA, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True)),
 }
 
 

@@ -92,18 +92,22 @@ def test_stories260k_greedy_from_bos(stories260k_dir, tmp_path):
     assert tokenizer.decode(result.sequences[0]).startswith("Once upon a time, there was a little girl named Lily")
 
 
-def write_tiny_gguf(model, path, add_more=None):
-    """A float32 GGUF of a transformers Llama, written the way llama.cpp's converter does: its names,
-    and q/k rows permuted from rotate-half to interleaved RoPE pairs. The vocabulary is the 256
-    byte-level characters and no merges. add_more(writer) may add metadata and tensors of its own."""
+def write_tiny_gguf(model, path, add_more=None, quantize=None):
+    """A GGUF of a transformers Llama or Qwen2, written the way llama.cpp's converter does: its names
+    and, for Llama, q/k rows permuted from rotate-half to interleaved RoPE pairs (Qwen2 keeps them,
+    and its q/k/v biases are tensors of their own). The vocabulary is the 256 byte-level characters
+    and no merges. quantize(gguf_name, float32 array) may return (bytes as uint8 array, its GGML
+    type) to store a tensor quantized, or None to keep it float32. add_more(writer) may add metadata
+    and tensors of its own."""
     gguf = pytest.importorskip("gguf")
     from tokenizers import pre_tokenizers
     c = model.config
+    architecture = c.model_type  # "llama" or "qwen2": the GGUF keys are named after it
 
     def to_interleaved(w, n_heads):  # llama.cpp's direction; the converter must undo it
         return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, -1).transpose(1, 2).reshape(w.shape)
 
-    writer = gguf.GGUFWriter(path, "llama")
+    writer = gguf.GGUFWriter(path, architecture)
     writer.add_block_count(c.num_hidden_layers)
     writer.add_context_length(c.max_position_embeddings)
     writer.add_embedding_length(c.hidden_size)
@@ -127,11 +131,16 @@ def write_tiny_gguf(model, path, add_more=None):
             continue
         parts = hf_name.split(".")
         layer = f"blk.{parts[2]}." if parts[1] == "layers" else ""
-        if parts[-2] == "q_proj":
+        if architecture == "llama" and parts[-2] == "q_proj":
             weight = to_interleaved(weight, c.num_attention_heads)
-        elif parts[-2] == "k_proj":
+        elif architecture == "llama" and parts[-2] == "k_proj":
             weight = to_interleaved(weight, c.num_key_value_heads)
-        writer.add_tensor(f"{layer}{names[parts[-2]]}.weight", weight.numpy())
+        name = f"{layer}{names[parts[-2]]}.{parts[-1]}"
+        quantized = quantize(name, weight.numpy()) if quantize is not None else None
+        if quantized is None:
+            writer.add_tensor(name, weight.numpy())
+        else:
+            writer.add_tensor(name, quantized[0], raw_dtype=quantized[1])
     if add_more is not None:
         add_more(writer)
     writer.write_header_to_file()
