@@ -185,7 +185,10 @@ class Transformer(nn.Module):
         if pad is not None:
             self.left_pad[: pad.numel()].copy_(pad)
 
-    def forward(self, idx: Tensor, input_pos: Tensor) -> Tensor:
+    def forward(self, idx: Tensor, input_pos: Tensor, last_position_only: bool = False) -> Tensor:
+        """logits [B, T, vocab]; with last_position_only, [B, 1, vocab] for the last position alone:
+        a prefill samples from that one, and the vocabulary-wide projection of the other T - 1
+        positions would cost as much as a fifth of a small model's prefill, and memory B·T·vocab."""
         assert self.max_seq_length > 0, "call setup_caches() before forward()"
         B = idx.shape[0]
         pad = self.left_pad[:B, None]
@@ -199,6 +202,8 @@ class Transformer(nn.Module):
         decode_buffers = (self.rope_cos, self.rope_sin, self.left_pad)
         for layer in self.layers:
             x = layer(x, input_pos, cos, sin, mask, decode_buffers)
+        if last_position_only:
+            x = x[:, -1:]
         return self.output(self.norm(x))
 
 

@@ -81,6 +81,77 @@ def test_smollm2_greedy_matches_transformers_generate(smollm2_checkpoint, smollm
     assert "robot" in tokenizer.decode(result.new_tokens[0]).lower()
 
 
+@pytest.fixture(scope="module")
+def qwen_coder_reference(qwen_coder_checkpoint):
+    """transformers' own Qwen2 reading the GGUF our checkpoint was converted from."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate", reason="transformers needs accelerate to load a GGUF")
+    gguf_file = next(qwen_coder_checkpoint.parent.glob("*.gguf"))
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(gguf_file.parent), gguf_file=gguf_file.name, dtype=torch.float32).eval()
+
+
+CODE_CHAT = [{"role": "user", "content": "Write a Python function `running_max(xs)` that returns the list of "
+                                         "running maxima of a list of numbers. Reply with a ```python code block."}]
+
+
+@pytest.mark.slow
+def test_qwen_coder_tokenizer_and_chat_template_match_transformers(qwen_coder_checkpoint):
+    """Our tokenizer built from the GGUF (Qwen2's pre-tokenizer split) and our ChatML rendering with
+    Qwen's default system prompt, against transformers' tokenizer and Jinja template from the same GGUF."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizer import load_tokenizer
+    gguf_file = next(qwen_coder_checkpoint.parent.glob("*.gguf"))
+    reference = transformers.AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
+    ours = load_tokenizer(qwen_coder_checkpoint.parent)
+    texts = ["def f(x):\n    return x ** 2  # 12345 squared\n\n\n", "Ünïcode café, naïve — 東京 123.45e-6",
+             "  leading spaces\tand\r\nCRLF <|im_start|> specials <|endoftext|>", "x=[1,2,3];y={'a':1}"]
+    for text in texts:
+        assert ours.encode(text) == reference.encode(text, add_special_tokens=False), text
+        assert ours.decode(ours.encode(text)) == text
+    system_chat = [{"role": "system", "content": "Be brief."}] + CODE_CHAT
+    for chat in (CODE_CHAT, system_chat):
+        expected = reference.apply_chat_template(chat, tokenize=True, add_generation_prompt=True)
+        expected = expected["input_ids"] if isinstance(expected, dict) or hasattr(expected, "keys") else expected
+        assert ours.encode_chat(chat) == list(expected)
+    assert ours.eos_ids == {reference.convert_tokens_to_ids("<|im_end|>")}
+
+
+@pytest.mark.slow
+def test_qwen_coder_logits_match_transformers_gguf(qwen_coder_checkpoint, qwen_coder_reference):
+    from tokenizer import load_tokenizer
+    tokenizer = load_tokenizer(qwen_coder_checkpoint.parent)
+    ours = None
+    for chat in (CHAT, CODE_CHAT):
+        tokens = torch.tensor([tokenizer.encode_chat(chat)])
+        ours = ours or load_ours(qwen_coder_checkpoint, max_seq_length=128)
+        assert ours.config.architecture == "qwen2" and ours.config.n_layer == 24 and ours.config.dim == 896
+        assert_logits_match(ours, qwen_coder_reference, tokens)
+
+
+@pytest.mark.slow
+def test_qwen_coder_greedy_matches_transformers_and_writes_correct_python(qwen_coder_checkpoint, qwen_coder_reference):
+    """Greedy decoding with the chat template: the first 24 tokens are transformers' own, and the
+    whole reply's code passes tests it never saw (run in the sandbox)."""
+    from evaluation.code_tasks import extract_code
+    from evaluation.sandbox import run_program
+    from generate import generate, load_model
+    from tokenizer import load_tokenizer
+    tokenizer = load_tokenizer(qwen_coder_checkpoint.parent)
+    prompt = torch.tensor(tokenizer.encode_chat(CODE_CHAT))
+    expected = qwen_coder_reference.generate(prompt[None], max_new_tokens=24, do_sample=False,
+                                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long))[0]
+    model = load_model(qwen_coder_checkpoint, device="cpu", dtype=torch.float32)
+    result = generate(model, [prompt], max_new_tokens=300, eos_ids=tokenizer.eos_ids)
+    assert result.sequences[0][:len(expected)].tolist() == expected.tolist()
+    assert result.new_tokens[0][-1].item() in tokenizer.eos_ids  # the reply ended on its own
+    code = extract_code(tokenizer.decode(result.new_tokens[0][:-1]))
+    tests = ("\nassert running_max([3, 1, 4, 1, 5, 9, 2, 6]) == [3, 3, 4, 4, 5, 9, 9, 9]\n"
+             "assert running_max([]) == []\nassert running_max([-2, -5]) == [-2, -2]\nprint('ok')\n")
+    run = run_program(code + tests, 10.0, 1024)
+    assert run.status == "passed" and run.stdout.strip().endswith("ok"), (code, run.stderr)
+
+
 def test_stories260k_greedy_from_bos(stories260k_dir, tmp_path):
     from generate import generate, load_model
     from convert import convert_llama2c
@@ -163,6 +234,20 @@ def test_tiny_gguf_matches_transformers(tiny_hf_folder, tmp_path, name):
     assert_logits_match(ours, reference, tokens)
     tokenizer = load_tokenizer(tmp_path / "out")
     assert tokenizer.decode(tokenizer.encode("byte-level: ünïcode ✓")) == "byte-level: ünïcode ✓"
+
+
+@torch.no_grad()
+def test_last_position_only_gives_the_last_row_of_the_full_logits():
+    """What a prefill asks for: the logits of the last position, as the full forward computes them."""
+    from model import ModelArgs
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(architecture="qwen2", qkv_bias=True, dim=64, n_layer=2, n_head=4, n_local_heads=2,
+                                  intermediate_size=96, vocab_size=50, block_size=32)).eval()
+    model.setup_caches(2, 32)
+    tokens = torch.randint(0, 50, (2, 7))
+    last = model(tokens, torch.arange(7), last_position_only=True)
+    assert last.shape == (2, 1, 50)
+    torch.testing.assert_close(last, model(tokens, torch.arange(7))[:, -1:])
 
 
 @torch.no_grad()
