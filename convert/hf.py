@@ -25,7 +25,8 @@ def model_args_from_hf_config(hf: dict) -> ModelArgs:
         if hf.get(flag):
             raise ConversionError(f"config.json sets {flag}=true; our model has no biases there")
     if hf.get("use_sliding_window") or "sliding_attention" in (hf.get("layer_types") or []):
-        raise ConversionError("config.json sets use_sliding_window=true; sliding-window attention is not supported")
+        raise ConversionError("config.json asks for sliding-window attention (use_sliding_window / layer_types); "
+                              "sliding-window attention is not supported")
     if hf.get("hidden_act", "silu") != "silu":
         raise ConversionError(f"config.json: hidden_act '{hf['hidden_act']}' is not supported (only silu)")
     n_head = hf["num_attention_heads"]
