@@ -194,8 +194,11 @@ class Transformer(nn.Module):
         pad = self.left_pad[:B, None]
         positions = (input_pos[None, :] - pad).clamp(min=0)  # [B, T]
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [B, T, head_dim]
-        slots = torch.arange(self.max_seq_length, device=idx.device)
-        mask = self.causal_mask[input_pos][None, None] & (slots[None, :] >= pad)[:, None, None, :]  # [B,1,T,S]
+        live = self.max_seq_length  # cache slots attended over: all of them, a static shape for CUDA graphs
+        if idx.device.type == "cpu" and not torch.compiler.is_compiling():
+            live = int(input_pos[-1]) + 1  # eager CPU pays for every slot read: only those written so far
+        slots = torch.arange(live, device=idx.device)
+        mask = self.causal_mask[input_pos, :live][None, None] & (slots[None, :] >= pad)[:, None, None, :]  # [B,1,T,S]
         x = self.tok_embeddings(idx)
         # A decode-attention plug looks up its rows of the whole tables and padding itself; in a
         # step that uses it, cos, sin and mask go unused and compile away.
@@ -262,6 +265,7 @@ class Attention(nn.Module):
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
             if self.kv_cache is not None:  # None: a teacher-forced pass over whole sequences (prune/ replays blocks this way)
                 k, v = self.kv_cache.update(input_pos, k, v)
+                k, v = k[:, :, :mask.shape[-1]], v[:, :, :mask.shape[-1]]  # the slots the mask covers
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_head != self.n_local_heads)
         return project(self.wo, y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim), residual=residual)
 
