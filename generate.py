@@ -199,7 +199,7 @@ def draw_noise(batch_size: int, vocab_size: int, temperature: float, generator, 
 
 def prefill(model: Transformer, tokens: Tensor, input_pos: Tensor, noise: Optional[Tensor], **sampling) -> Tensor:
     """Run the whole (left-padded) prompt [B, T] through the model; returns the first new token [B]."""
-    logits = model(tokens, input_pos)
+    logits = model(tokens, input_pos, last_position_only=True)
     return sample(logits[:, -1], noise, **sampling)
 
 

@@ -1,4 +1,4 @@
-"""The transformer: Llama-2/3.x, Qwen3, SmolLM2 and llama2.c stories models in one flat file.
+"""The transformer: Llama-2/3.x, Qwen2/2.5, Qwen3, SmolLM2 and llama2.c stories models in one flat file.
 
 GPT-Fast's calling convention: `setup_caches(max_batch_size, max_seq_length)`, then
 `forward(idx[B, T], input_pos[T]) -> logits[B, T, vocab]`.
@@ -6,6 +6,7 @@ GPT-Fast's calling convention: `setup_caches(max_batch_size, max_seq_length)`, t
 Layout choices that other modules rely on:
 - q/k/v are fused into `attention.wqkv` and gate/up into `feed_forward.w13`. Fusion only
   concatenates *output rows*, so N:M groups along in_features stay intact for the sparse format.
+  Qwen2's q/k/v biases are likewise one fused `attention.wqkv.bias`; no other layer has a bias.
 - RoPE rotates the two halves of each head (Hugging Face's `rotate_half` layout), so HF weights
   load unchanged; GGUF and llama2.c weights (interleaved pairs) are permuted on import.
 - Every linear layer is a plain `nn.Linear`; `sparse.linear.swap_to_sparse` replaces them. Linear
@@ -29,7 +30,7 @@ from torch import Tensor
 
 @dataclass
 class ModelArgs:
-    architecture: str = "llama"  # "llama" (Llama-2/3.x, SmolLM2, stories) or "qwen3"
+    architecture: str = "llama"  # "llama" (Llama-2/3.x, SmolLM2, stories), "qwen2" (Qwen2, Qwen2.5) or "qwen3"
     block_size: int = 2048  # longest context the model was trained for
     vocab_size: int = 32000
     n_layer: int = 32
@@ -43,10 +44,11 @@ class ModelArgs:
     rope_scaling: Optional[dict] = None  # Llama-3.1 style: factor, low/high_freq_factor, original_max_position_embeddings
     tie_embeddings: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
+    qkv_bias: bool = False  # Qwen2: q, k and v projections have a bias (the output projection has none)
 
     def __post_init__(self):
-        if self.architecture not in ("llama", "qwen3"):
-            raise ValueError(f"unknown architecture '{self.architecture}' (expected 'llama' or 'qwen3')")
+        if self.architecture not in ("llama", "qwen2", "qwen3"):
+            raise ValueError(f"unknown architecture '{self.architecture}' (expected 'llama', 'qwen2' or 'qwen3')")
         if self.n_local_heads == -1:
             self.n_local_heads = self.n_head
         for name in ("block_size", "vocab_size", "n_layer", "n_head", "dim", "n_local_heads"):
@@ -84,6 +86,7 @@ _LLAMA32_ROPE = dict(_LLAMA31_ROPE, factor=32.0)
 _LLAMA3 = dict(vocab_size=128256, rope_base=500000.0, n_local_heads=8)
 _QWEN3 = dict(architecture="qwen3", vocab_size=151936, rope_base=1e6, norm_eps=1e-6, qk_norm=True,
               head_dim=128, n_local_heads=8, block_size=40960)
+_QWEN2 = dict(architecture="qwen2", vocab_size=151936, rope_base=1e6, norm_eps=1e-6, qkv_bias=True, block_size=32768)
 _SMOLLM2 = dict(vocab_size=49152, rope_base=100000.0, tie_embeddings=True, block_size=8192)
 
 transformer_configs = {
@@ -102,6 +105,8 @@ transformer_configs = {
                          rope_scaling=_LLAMA32_ROPE, tie_embeddings=True),
     "Llama-3.3-70B": dict(_LLAMA3, block_size=131072, n_layer=80, n_head=64, dim=8192, intermediate_size=28672,
                           rope_scaling=_LLAMA31_ROPE),
+    "Qwen2.5-Coder-0.5B": dict(_QWEN2, n_layer=24, n_head=14, n_local_heads=2, dim=896, intermediate_size=4864,
+                               tie_embeddings=True),
     "Qwen3-0.6B": dict(_QWEN3, n_layer=28, n_head=16, dim=1024, intermediate_size=3072, tie_embeddings=True),
     "Qwen3-1.7B": dict(_QWEN3, n_layer=28, n_head=16, dim=2048, intermediate_size=6144, tie_embeddings=True),
     "Qwen3-4B": dict(_QWEN3, n_layer=36, n_head=32, dim=2560, intermediate_size=9728, tie_embeddings=True),
@@ -181,20 +186,28 @@ class Transformer(nn.Module):
         if pad is not None:
             self.left_pad[: pad.numel()].copy_(pad)
 
-    def forward(self, idx: Tensor, input_pos: Tensor) -> Tensor:
+    def forward(self, idx: Tensor, input_pos: Tensor, last_position_only: bool = False) -> Tensor:
+        """logits [B, T, vocab]; with last_position_only, [B, 1, vocab] for the last position alone:
+        a prefill samples from that one, and the vocabulary-wide projection of the other T - 1
+        positions would cost as much as a fifth of a small model's prefill, and memory B·T·vocab."""
         assert self.max_seq_length > 0, "call setup_caches() before forward()"
         B = idx.shape[0]
         pad = self.left_pad[:B, None]
         positions = (input_pos[None, :] - pad).clamp(min=0)  # [B, T]
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [B, T, head_dim]
-        slots = torch.arange(self.max_seq_length, device=idx.device)
-        mask = self.causal_mask[input_pos][None, None] & (slots[None, :] >= pad)[:, None, None, :]  # [B,1,T,S]
+        live = self.max_seq_length  # cache slots attended over: all of them, a static shape for CUDA graphs
+        if idx.device.type == "cpu" and not torch.compiler.is_compiling():
+            live = int(input_pos[-1]) + 1  # eager CPU pays for every slot read: only those written so far
+        slots = torch.arange(live, device=idx.device)
+        mask = self.causal_mask[input_pos, :live][None, None] & (slots[None, :] >= pad)[:, None, None, :]  # [B,1,T,S]
         x = self.tok_embeddings(idx)
         # A decode-attention plug looks up its rows of the whole tables and padding itself; in a
         # step that uses it, cos, sin and mask go unused and compile away.
         decode_buffers = (self.rope_cos, self.rope_sin, self.left_pad)
         for layer in self.layers:
             x = layer(x, input_pos, cos, sin, mask, decode_buffers)
+        if last_position_only:
+            x = x[:, -1:]
         return self.output(self.norm(x))
 
 
@@ -217,7 +230,7 @@ class Attention(nn.Module):
         super().__init__()
         self.n_head, self.n_local_heads, self.head_dim = config.n_head, config.n_local_heads, config.head_dim
         qkv_rows = (config.n_head + 2 * config.n_local_heads) * config.head_dim
-        self.wqkv = nn.Linear(config.dim, qkv_rows, bias=False)
+        self.wqkv = nn.Linear(config.dim, qkv_rows, bias=config.qkv_bias)
         self.wo = nn.Linear(config.n_head * config.head_dim, config.dim, bias=False)
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.norm_eps)
@@ -253,6 +266,7 @@ class Attention(nn.Module):
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
             if self.kv_cache is not None:  # None: a teacher-forced pass over whole sequences (prune/ replays blocks this way)
                 k, v = self.kv_cache.update(input_pos, k, v)
+                k, v = k[:, :, :mask.shape[-1]], v[:, :, :mask.shape[-1]]  # the slots the mask covers
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_head != self.n_local_heads)
         return project(self.wo, y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim), residual=residual)
 

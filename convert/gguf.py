@@ -1,9 +1,13 @@
-"""Read a llama-architecture GGUF file (llama.cpp's format) as Hugging Face-named tensors + tokenizer files.
+"""Read a llama- or qwen2-architecture GGUF file (llama.cpp's format) as Hugging Face-named tensors +
+tokenizer files.
 
 Four things differ from a Hugging Face folder:
-- tensors may be quantized (Q4_1, Q8_0, ...): the `gguf` package dequantizes them to float32;
-- llama.cpp stores q/k rows of each head in interleaved-pair RoPE order, ours is rotate-half: we undo
-  its permutation (writer.interleaved_to_half);
+- tensors may be quantized (Q4_1, Q5_0, Q8_0, the K-quants Q4_K/Q5_K/Q6_K, ...): the `gguf` package
+  dequantizes them to float32;
+- for the llama architecture, llama.cpp stores q/k rows of each head in interleaved-pair RoPE order,
+  ours is rotate-half: we undo its permutation (writer.interleaved_to_half). qwen2 GGUFs keep
+  Hugging Face's order (llama.cpp runs them with rotate-half, "NEOX", RoPE), and their q/k/v biases
+  are tensors of their own;
 - Llama-3.1+ RoPE scaling is not in the metadata but in a `rope_freqs.weight` tensor: each RoPE
   frequency's divisor. We accept it where it is what model.py's Llama-3.1 scaling computes for a
   scaling we know (see llama31_rope_scaling_from_freqs), and refuse it otherwise;
@@ -28,6 +32,13 @@ GGUF_TO_HF_NAMES = {
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+
+# GGUF general.architecture -> our ModelArgs.architecture
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2"}
+
+# Qwen2's pre-tokenizer split (its tokenizer.json's Split pattern): Llama-3's, but one digit at a time.
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+               r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 # llama.cpp token types (tokenizer.ggml.token_type)
 CONTROL, USER_DEFINED = 3, 4
@@ -56,8 +67,9 @@ def read_gguf(path):
 
 def model_args_from_gguf(fields: dict, path, has_output: bool, rope_freqs=None) -> ModelArgs:
     arch = fields.get("general.architecture")
-    if arch != "llama":
-        raise ConversionError(f"{path}: unsupported GGUF architecture '{arch}' (supported: llama)")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ConversionError(f"{path}: unsupported GGUF architecture '{arch}' "
+                              f"(supported: {', '.join(GGUF_ARCHITECTURES)})")
     scaling = fields.get(f"{arch}.rope.scaling.type", "none")
     if scaling != "none":
         raise ConversionError(f"{path}: GGUF rope scaling '{scaling}' is not supported")
@@ -76,7 +88,7 @@ def model_args_from_gguf(fields: dict, path, has_output: bool, rope_freqs=None) 
     if rope_freqs is not None:
         rope_scaling = llama31_rope_scaling_from_freqs(rope_freqs, head_dim, rope_base, fields, arch, path)
     return ModelArgs(
-        architecture="llama",
+        architecture=GGUF_ARCHITECTURES[arch],
         block_size=get("context_length"),
         vocab_size=fields.get(f"{arch}.vocab_size") or len(fields["tokenizer.ggml.tokens"]),
         n_layer=get("block_count"),
@@ -89,6 +101,7 @@ def model_args_from_gguf(fields: dict, path, has_output: bool, rope_freqs=None) 
         norm_eps=float(get("attention.layer_norm_rms_epsilon")),
         rope_scaling=rope_scaling,
         tie_embeddings=not has_output,  # llama.cpp omits output.weight when it is the embedding
+        qkv_bias=arch == "qwen2",
     )
 
 
@@ -137,25 +150,30 @@ def dequantized(t, config: Optional[ModelArgs]) -> torch.Tensor:
     shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dimensions innermost first
     weight = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))  # a writable copy
     weight = weight.reshape(shape)
-    if t.name.endswith("attn_q.weight"):
-        weight = interleaved_to_half(weight, config.n_head)
-    elif t.name.endswith("attn_k.weight"):
-        weight = interleaved_to_half(weight, config.n_local_heads)
+    if config is not None and config.architecture == "llama":  # llama.cpp permuted only Llama's q/k
+        if t.name.endswith("attn_q.weight"):
+            weight = interleaved_to_half(weight, config.n_head)
+        elif t.name.endswith("attn_k.weight"):
+            weight = interleaved_to_half(weight, config.n_local_heads)
     return weight
 
 
 def tokenizer_files_from_gguf(fields: dict, path) -> dict[str, bytes]:
     """tokenizer.json (byte-level BPE) and tokenizer_config.json (special tokens, chat template)."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
     kind, pre = fields.get("tokenizer.ggml.model"), fields.get("tokenizer.ggml.pre", "default")
     if kind != "gpt2":
         raise ConversionError(f"{path}: GGUF tokenizer '{kind}' is not supported (only gpt2-style byte-level BPE)")
     # llama.cpp's pre-tokenizer names -> how text is split before BPE. "smollm" (StarCoder style)
-    # also splits every digit on its own, as SmolLM2's own tokenizer.json does.
+    # also splits every digit on its own, as SmolLM2's own tokenizer.json does; "qwen2" splits by
+    # its own pattern and maps bytes without GPT-2's split, after NFC normalisation, as Qwen2's does.
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
     splitters = {"default": byte_level, "gpt2": byte_level,
-                 "smollm": pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])}
+                 "smollm": pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level]),
+                 "qwen2": pre_tokenizers.Sequence([
+                     pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
+                     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])}
     if pre not in splitters:
         raise ConversionError(f"{path}: GGUF pre-tokenizer '{pre}' is not supported ({', '.join(splitters)})")
 
@@ -163,6 +181,8 @@ def tokenizer_files_from_gguf(fields: dict, path) -> dict[str, bytes]:
     merges = [tuple(m.split(" ", 1)) for m in fields.get("tokenizer.ggml.merges", [])]
     tokenizer = Tokenizer(models.BPE(vocab={tok: i for i, tok in enumerate(tokens)}, merges=merges))
     tokenizer.pre_tokenizer = splitters[pre]
+    if pre == "qwen2":
+        tokenizer.normalizer = normalizers.NFC()
     tokenizer.decoder = decoders.ByteLevel()
     # Control tokens (<|im_start|>, ...) must match whole in text, never be split by BPE.
     tokenizer.add_special_tokens([AddedToken(tok, special=True, normalized=False)

@@ -13,7 +13,7 @@ from convert.writer import ConversionError, LazyTensors, write_converted
 from model import ModelArgs, require_positive_int
 
 # Hugging Face class name -> our ModelArgs.architecture
-HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
+HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
 
 # The tokenizer and chat-template files a model folder may have; copied next to model.pth.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
@@ -22,9 +22,12 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
 
 def model_args_from_hf_config(hf: dict) -> ModelArgs:
     architecture = hf_architecture(hf)
-    for flag in ("attention_bias", "mlp_bias"):
+    for flag in ("attention_bias", "mlp_bias"):  # Qwen2's q/k/v biases are implied by its architecture
         if hf.get(flag):
-            raise ConversionError(f"config.json sets {flag}=true; our model has no biases")
+            raise ConversionError(f"config.json sets {flag}=true; our model has no biases there")
+    if hf.get("use_sliding_window") or "sliding_attention" in (hf.get("layer_types") or []):
+        raise ConversionError("config.json asks for sliding-window attention (use_sliding_window / layer_types); "
+                              "sliding-window attention is not supported")
     if hf.get("hidden_act", "silu") != "silu":
         raise ConversionError(f"config.json: hidden_act '{hf['hidden_act']}' is not supported (only silu)")
     n_head = hf["num_attention_heads"]
@@ -45,6 +48,7 @@ def model_args_from_hf_config(hf: dict) -> ModelArgs:
         rope_scaling=llama3_rope_scaling(hf),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qk_norm=architecture == "qwen3",
+        qkv_bias=architecture == "qwen2",
     )
 
 
@@ -53,7 +57,7 @@ def hf_architecture(hf: dict) -> str:
     for name in names:
         if name in HF_ARCHITECTURES:
             return HF_ARCHITECTURES[name]
-    if not names and hf.get("model_type") in ("llama", "qwen3"):
+    if not names and hf.get("model_type") in ("llama", "qwen2", "qwen3"):
         return hf["model_type"]
     found = ", ".join(names) or f"model_type '{hf.get('model_type')}'"
     raise ConversionError(f"unsupported architecture {found} (supported: {', '.join(HF_ARCHITECTURES)})")

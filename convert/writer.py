@@ -40,13 +40,15 @@ def interleaved_to_half(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 def hf_sources(config: ModelArgs) -> dict[str, list[str]]:
     """Our key -> the Hugging Face tensors it is made of. Fused weights concatenate their sources'
-    rows: wqkv = [q; k; v], w13 = [gate; up]."""
+    rows: wqkv = [q; k; v] (Qwen2's biases likewise), w13 = [gate; up]."""
     sources = {"tok_embeddings.weight": ["model.embed_tokens.weight"], "norm.weight": ["model.norm.weight"]}
     if not config.tie_embeddings:
         sources["output.weight"] = ["lm_head.weight"]
     for i in range(config.n_layer):
         hf, ours = f"model.layers.{i}.", f"layers.{i}."
         sources[ours + "attention.wqkv.weight"] = [hf + f"self_attn.{x}_proj.weight" for x in "qkv"]
+        if config.qkv_bias:
+            sources[ours + "attention.wqkv.bias"] = [hf + f"self_attn.{x}_proj.bias" for x in "qkv"]
         sources[ours + "attention.wo.weight"] = [hf + "self_attn.o_proj.weight"]
         sources[ours + "feed_forward.w13.weight"] = [hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"]
         sources[ours + "feed_forward.w2.weight"] = [hf + "mlp.down_proj.weight"]

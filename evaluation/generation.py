@@ -37,14 +37,19 @@ def encode_prompt(tokenizer, text: str) -> list[int]:
 
 def greedy_token_ids(model: Transformer, prompt_ids: list[list[int]], max_new_tokens: int, eos_ids=(),
                      batch_size: int = 8, progress: bool = True) -> list[list[int]]:
-    """Greedy generated ids (prompt excluded, cut after the first EOS) for each prompt."""
+    """Greedy generated ids (prompt excluded, cut after the first EOS) for each prompt, in the
+    prompts' order. Batches are made of prompts of similar lengths: a batch is left-padded to its
+    longest prompt, and the padding costs as much to prefill as real tokens."""
     import generate
 
-    out = []
-    for start in range(0, len(prompt_ids), batch_size):
-        batch = [torch.tensor(ids, dtype=torch.long) for ids in prompt_ids[start:start + batch_size]]
+    by_length = sorted(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
+    out = [None] * len(prompt_ids)
+    for start in range(0, len(by_length), batch_size):
+        rows = by_length[start:start + batch_size]
+        batch = [torch.tensor(prompt_ids[i], dtype=torch.long) for i in rows]
         result = generate.generate(model, batch, max_new_tokens, temperature=0.0, eos_ids=eos_ids, progress=progress)
-        out += [t.tolist() for t in result.new_tokens]
+        for i, new in zip(rows, result.new_tokens):
+            out[i] = new.tolist()
     return out
 
 

@@ -180,24 +180,32 @@ def sparse_matmul(x: Tensor, values: Tensor, mask: Tensor, norm_weight: Tensor =
 
 
 class SparseLinear(nn.Module):
-    """y = x @ W.T with W (out_features, in_features) stored in the N:M bitmask format; no bias."""
+    """y = x @ W.T (+ bias) with W (out_features, in_features) stored in the N:M bitmask format.
 
-    def __init__(self, in_features: int, out_features: int, pattern: str, dtype=None, device=None):
+    A bias (Qwen2's q/k/v) stays dense and is added after the kernel, so a layer without one runs
+    exactly as before; after the kernel rather than in it, because it is one add over the output
+    that the compiler fuses with whatever reads the output next."""
+
+    def __init__(self, in_features: int, out_features: int, pattern: str, dtype=None, device=None, bias: bool = False):
         super().__init__()
         self.in_features, self.out_features, self.pattern = in_features, out_features, pattern
+        dtype = dtype or torch.get_default_dtype()
         values_shape, mask_shape = packed_shapes(in_features, out_features, pattern)
-        self.register_buffer("values", torch.zeros(values_shape, dtype=dtype or torch.get_default_dtype(), device=device))
+        self.register_buffer("values", torch.zeros(values_shape, dtype=dtype, device=device))
         self.register_buffer("mask", torch.zeros(mask_shape, dtype=torch.int32, device=device))
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
         self._cpu_weight, self._cpu_weight_key = None, None  # see _unpacked_for_cpu
 
     @classmethod
     def from_dense(cls, linear_or_weight, pattern: str, mask: Tensor = None) -> "SparseLinear":
+        """From an nn.Linear (its bias kept as it is) or a weight tensor."""
         weight = linear_or_weight.weight if isinstance(linear_or_weight, nn.Linear) else linear_or_weight
-        if isinstance(linear_or_weight, nn.Linear) and linear_or_weight.bias is not None:
-            raise ValueError("SparseLinear has no bias; the layer to convert has one")
+        bias = linear_or_weight.bias if isinstance(linear_or_weight, nn.Linear) else None
         out_features, in_features = weight.shape
-        layer = cls(in_features, out_features, pattern, dtype=weight.dtype, device="meta")
+        layer = cls(in_features, out_features, pattern, dtype=weight.dtype, device="meta", bias=bias is not None)
         layer.values, layer.mask = pack(weight, pattern, mask)
+        if bias is not None:
+            layer.bias = nn.Parameter(bias.detach().clone(), requires_grad=bias.requires_grad)
         return layer
 
     def fuses(self, x: Tensor, prologue: bool = False) -> bool:
@@ -215,9 +223,11 @@ class SparseLinear(nn.Module):
         up for a gated x = [gate | up]. (A forward hook on this module then sees x before the
         prologue; prune/ and evaluation/ hook dense nn.Linear layers, which never fuse.)"""
         if _without_kernels(x) and norm is None and residual is None and not gated:
-            return F.linear(x, self._unpacked_for_cpu().to(x.dtype))
-        return sparse_matmul(x, self.values, self.mask, None if norm is None else norm.weight,
-                             0.0 if norm is None else norm.eps, residual, gated, self.two_of_four)
+            bias = None if self.bias is None else self.bias.to(x.dtype)
+            return F.linear(x, self._unpacked_for_cpu().to(x.dtype), bias)
+        y = sparse_matmul(x, self.values, self.mask, None if norm is None else norm.weight,
+                          0.0 if norm is None else norm.eps, residual, gated, self.two_of_four)
+        return y if self.bias is None else y + self.bias
 
     @property
     def runs_expanded(self) -> bool:
@@ -270,11 +280,12 @@ def swap_to_sparse(model: nn.Module, pattern: str, masks: dict = None, skip=("ou
 
 
 def swap_linears_for_state_dict(model: nn.Module, state_dict: dict, pattern: str) -> nn.Module:
-    """Turn every nn.Linear whose `<name>.values` is in state_dict into an empty SparseLinear on the
-    module's device (meta included), ready for `load_state_dict(state_dict, assign=True)`."""
+    """Turn every nn.Linear whose `<name>.values` is in state_dict into an empty SparseLinear (with a
+    bias where the module has one) on the module's device (meta included), ready for
+    `load_state_dict(state_dict, assign=True)`."""
     for name, module in list(model.named_modules()):
         if isinstance(module, nn.Linear) and f"{name}.values" in state_dict:
             dtype = state_dict[f"{name}.values"].dtype
-            _replace(model, name, SparseLinear(module.in_features, module.out_features, pattern,
-                                               dtype=dtype, device=module.weight.device))
+            _replace(model, name, SparseLinear(module.in_features, module.out_features, pattern, dtype=dtype,
+                                               device=module.weight.device, bias=module.bias is not None))
     return model

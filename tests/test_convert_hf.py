@@ -36,7 +36,8 @@ def test_conversion_writes_checkpoint_config_and_tokenizer_files(tiny_hf_folder,
     torch.testing.assert_close(v, hf.v_proj.weight.to(torch.bfloat16))
 
 
-@pytest.mark.parametrize("name", ["Llama-3.1-8B", "Llama-2-7b", "Qwen3-0.6B", "Qwen3-8B", "SmolLM2-135M"])
+@pytest.mark.parametrize("name", ["Llama-3.1-8B", "Llama-2-7b", "Qwen2.5-Coder-0.5B", "Qwen3-0.6B", "Qwen3-8B",
+                                  "SmolLM2-135M"])
 def test_published_configs_map_to_our_named_configs(name):
     """config.json fields of the published models (as written in their hub repos) -> our named config."""
     llama31_scaling = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -50,6 +51,12 @@ def test_published_configs_map_to_our_named_configs(name):
                            max_position_embeddings=4096, num_attention_heads=32, num_hidden_layers=32,
                            num_key_value_heads=32, rms_norm_eps=1e-05, rope_scaling=None, vocab_size=32000,
                            tie_word_embeddings=False),
+        "Qwen2.5-Coder-0.5B": dict(architectures=["Qwen2ForCausalLM"], hidden_act="silu", hidden_size=896,
+                                   intermediate_size=4864, max_position_embeddings=32768, max_window_layers=24,
+                                   model_type="qwen2", num_attention_heads=14, num_hidden_layers=24,
+                                   num_key_value_heads=2, rms_norm_eps=1e-06, rope_theta=1000000.0,
+                                   sliding_window=32768, tie_word_embeddings=True, use_sliding_window=False,
+                                   vocab_size=151936),
         "Qwen3-0.6B": dict(architectures=["Qwen3ForCausalLM"], head_dim=128, hidden_size=1024,
                            intermediate_size=3072, max_position_embeddings=40960, num_attention_heads=16,
                            num_hidden_layers=28, num_key_value_heads=8, rms_norm_eps=1e-06, rope_scaling=None,
@@ -117,6 +124,15 @@ def test_shape_that_disagrees_with_config_is_named(tiny_hf_folder, tmp_path):
     with pytest.raises(ConversionError, match=r"model\.layers\.0\.mlp\.down_proj\.weight \(64, 95\)"):
         convert_hf_folder(bad, tmp_path / "out")
     assert not (tmp_path / "out" / "model.pth").exists()
+
+
+@pytest.mark.parametrize("changes", [dict(use_sliding_window=True),
+                                     dict(layer_types=["full_attention", "sliding_attention"])])
+def test_sliding_window_attention_is_refused(changes):
+    config = dict(architectures=["Qwen2ForCausalLM"], hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                  num_hidden_layers=2, vocab_size=256, **changes)
+    with pytest.raises(ConversionError, match="sliding-window attention is not supported"):
+        model_args_from_hf_config(config)
 
 
 def test_unsupported_rope_scaling_is_named():

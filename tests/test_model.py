@@ -67,18 +67,89 @@ def test_smollm2_logits_match_transformers_gguf(smollm2_checkpoint, smollm2_refe
     assert_logits_match(ours, smollm2_reference, tokens)
 
 
-def test_smollm2_greedy_matches_transformers_generate(smollm2_checkpoint, smollm2_reference):
+def greedy_ours_and_transformers(checkpoint, reference, chat, new_tokens, reference_new_tokens):
+    """(tokenizer, our generate() result, transformers' greedy sequence) for one chat prompt."""
     from generate import generate, load_model
     from tokenizer import load_tokenizer
-    tokenizer = load_tokenizer(smollm2_checkpoint.parent)
-    prompt = torch.tensor(tokenizer.encode_chat(LONG_ANSWER_CHAT))
-    expected = smollm2_reference.generate(prompt[None], max_new_tokens=32, do_sample=False,
-                                          attention_mask=torch.ones(1, len(prompt), dtype=torch.long))[0]
-    model = load_model(smollm2_checkpoint, device="cpu", dtype=torch.float32)
-    result = generate(model, [prompt], max_new_tokens=32, eos_ids=tokenizer.eos_ids)
+    tokenizer = load_tokenizer(checkpoint.parent)
+    prompt = torch.tensor(tokenizer.encode_chat(chat))
+    expected = reference.generate(prompt[None], max_new_tokens=reference_new_tokens, do_sample=False,
+                                  attention_mask=torch.ones(1, len(prompt), dtype=torch.long))[0]
+    model = load_model(checkpoint, device="cpu", dtype=torch.float32)
+    return tokenizer, generate(model, [prompt], max_new_tokens=new_tokens, eos_ids=tokenizer.eos_ids), expected
+
+
+def test_smollm2_greedy_matches_transformers_generate(smollm2_checkpoint, smollm2_reference):
+    tokenizer, result, expected = greedy_ours_and_transformers(smollm2_checkpoint, smollm2_reference,
+                                                               LONG_ANSWER_CHAT, 32, 32)
     assert len(result.new_tokens[0]) == 32  # the story does not end within 32 tokens
     assert result.sequences[0].tolist() == expected.tolist()
     assert "robot" in tokenizer.decode(result.new_tokens[0]).lower()
+
+
+@pytest.fixture(scope="module")
+def qwen_coder_reference(qwen_coder_checkpoint):
+    """transformers' own Qwen2 reading the GGUF our checkpoint was converted from."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate", reason="transformers needs accelerate to load a GGUF")
+    gguf_file = next(qwen_coder_checkpoint.parent.glob("*.gguf"))
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(gguf_file.parent), gguf_file=gguf_file.name, dtype=torch.float32).eval()
+
+
+CODE_CHAT = [{"role": "user", "content": "Write a Python function `running_max(xs)` that returns the list of "
+                                         "running maxima of a list of numbers. Reply with a ```python code block."}]
+
+
+@pytest.mark.slow
+def test_qwen_coder_tokenizer_and_chat_template_match_transformers(qwen_coder_checkpoint):
+    """Our tokenizer built from the GGUF (Qwen2's pre-tokenizer split) and our ChatML rendering with
+    Qwen's default system prompt, against transformers' tokenizer and Jinja template from the same GGUF."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizer import load_tokenizer
+    gguf_file = next(qwen_coder_checkpoint.parent.glob("*.gguf"))
+    reference = transformers.AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
+    ours = load_tokenizer(qwen_coder_checkpoint.parent)
+    texts = ["def f(x):\n    return x ** 2  # 12345 squared\n\n\n", "Ünïcode café, naïve — 東京 123.45e-6",
+             "  leading spaces\tand\r\nCRLF <|im_start|> specials <|endoftext|>", "x=[1,2,3];y={'a':1}"]
+    for text in texts:
+        assert ours.encode(text) == reference.encode(text, add_special_tokens=False), text
+        assert ours.decode(ours.encode(text)) == text
+    system_chat = [{"role": "system", "content": "Be brief."}] + CODE_CHAT
+    for chat in (CODE_CHAT, system_chat):
+        expected = reference.apply_chat_template(chat, tokenize=True, add_generation_prompt=True)
+        expected = expected["input_ids"] if isinstance(expected, dict) or hasattr(expected, "keys") else expected
+        assert ours.encode_chat(chat) == list(expected)
+    assert ours.eos_ids == {reference.convert_tokens_to_ids("<|im_end|>")}
+
+
+@pytest.mark.slow
+def test_qwen_coder_logits_match_transformers_gguf(qwen_coder_checkpoint, qwen_coder_reference):
+    from tokenizer import load_tokenizer
+    tokenizer = load_tokenizer(qwen_coder_checkpoint.parent)
+    ours = None
+    for chat in (CHAT, CODE_CHAT):
+        tokens = torch.tensor([tokenizer.encode_chat(chat)])
+        ours = ours or load_ours(qwen_coder_checkpoint, max_seq_length=128)
+        assert ours.config.architecture == "qwen2" and ours.config.n_layer == 24 and ours.config.dim == 896
+        assert_logits_match(ours, qwen_coder_reference, tokens)
+
+
+@pytest.mark.slow
+def test_qwen_coder_greedy_matches_transformers_and_solves_a_humaneval_task(qwen_coder_checkpoint, qwen_coder_reference):
+    """Greedy decoding of HumanEval/7 as evaluation.code_tasks asks it, in the chat template: the first
+    24 tokens are transformers' own, and the reply passes the task's own tests in the sandbox."""
+    from evaluation.code_tasks import humaneval_tasks, score_replies
+    try:
+        task = next(t for t in humaneval_tasks() if t.task_id == "HumanEval/7")
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    tokenizer, result, expected = greedy_ours_and_transformers(
+        qwen_coder_checkpoint, qwen_coder_reference, [{"role": "user", "content": task.prompt}], 384, 24)
+    assert result.sequences[0][:len(expected)].tolist() == expected.tolist()
+    assert result.new_tokens[0][-1].item() in tokenizer.eos_ids  # the reply ended on its own
+    reply = tokenizer.decode(result.new_tokens[0][:-1])
+    assert score_replies([task], [reply])["passed"] == 1, reply
 
 
 def test_stories260k_greedy_from_bos(stories260k_dir, tmp_path):
@@ -92,18 +163,22 @@ def test_stories260k_greedy_from_bos(stories260k_dir, tmp_path):
     assert tokenizer.decode(result.sequences[0]).startswith("Once upon a time, there was a little girl named Lily")
 
 
-def write_tiny_gguf(model, path, add_more=None):
-    """A float32 GGUF of a transformers Llama, written the way llama.cpp's converter does: its names,
-    and q/k rows permuted from rotate-half to interleaved RoPE pairs. The vocabulary is the 256
-    byte-level characters and no merges. add_more(writer) may add metadata and tensors of its own."""
+def write_tiny_gguf(model, path, add_more=None, quantize=None):
+    """A GGUF of a transformers Llama or Qwen2, written the way llama.cpp's converter does: its names
+    and, for Llama, q/k rows permuted from rotate-half to interleaved RoPE pairs (Qwen2 keeps them,
+    and its q/k/v biases are tensors of their own). The vocabulary is the 256 byte-level characters
+    and no merges. quantize(gguf_name, float32 array) may return (bytes as uint8 array, its GGML
+    type) to store a tensor quantized, or None to keep it float32. add_more(writer) may add metadata
+    and tensors of its own."""
     gguf = pytest.importorskip("gguf")
     from tokenizers import pre_tokenizers
     c = model.config
+    architecture = c.model_type  # "llama" or "qwen2": the GGUF keys are named after it
 
     def to_interleaved(w, n_heads):  # llama.cpp's direction; the converter must undo it
         return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, -1).transpose(1, 2).reshape(w.shape)
 
-    writer = gguf.GGUFWriter(path, "llama")
+    writer = gguf.GGUFWriter(path, architecture)
     writer.add_block_count(c.num_hidden_layers)
     writer.add_context_length(c.max_position_embeddings)
     writer.add_embedding_length(c.hidden_size)
@@ -127,11 +202,16 @@ def write_tiny_gguf(model, path, add_more=None):
             continue
         parts = hf_name.split(".")
         layer = f"blk.{parts[2]}." if parts[1] == "layers" else ""
-        if parts[-2] == "q_proj":
+        if architecture == "llama" and parts[-2] == "q_proj":
             weight = to_interleaved(weight, c.num_attention_heads)
-        elif parts[-2] == "k_proj":
+        elif architecture == "llama" and parts[-2] == "k_proj":
             weight = to_interleaved(weight, c.num_key_value_heads)
-        writer.add_tensor(f"{layer}{names[parts[-2]]}.weight", weight.numpy())
+        name = f"{layer}{names[parts[-2]]}.{parts[-1]}"
+        quantized = quantize(name, weight.numpy()) if quantize is not None else None
+        if quantized is None:
+            writer.add_tensor(name, weight.numpy())
+        else:
+            writer.add_tensor(name, quantized[0], raw_dtype=quantized[1])
     if add_more is not None:
         add_more(writer)
     writer.write_header_to_file()
@@ -154,6 +234,20 @@ def test_tiny_gguf_matches_transformers(tiny_hf_folder, tmp_path, name):
     assert_logits_match(ours, reference, tokens)
     tokenizer = load_tokenizer(tmp_path / "out")
     assert tokenizer.decode(tokenizer.encode("byte-level: ünïcode ✓")) == "byte-level: ünïcode ✓"
+
+
+@torch.no_grad()
+def test_last_position_only_gives_the_last_row_of_the_full_logits():
+    """What a prefill asks for: the logits of the last position, as the full forward computes them."""
+    from model import ModelArgs
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(architecture="qwen2", qkv_bias=True, dim=64, n_layer=2, n_head=4, n_local_heads=2,
+                                  intermediate_size=96, vocab_size=50, block_size=32)).eval()
+    model.setup_caches(2, 32)
+    tokens = torch.randint(0, 50, (2, 7))
+    last = model(tokens, torch.arange(7), last_position_only=True)
+    assert last.shape == (2, 1, 50)
+    torch.testing.assert_close(last, model(tokens, torch.arange(7))[:, -1:])
 
 
 @torch.no_grad()

@@ -86,6 +86,43 @@ def test_packed_checkpoint_loads_through_generate_and_matches_the_masked_dense_m
     assert not torch.allclose(logits(source, tokens), logits(masked, tokens), atol=1e-3)
 
 
+def test_packed_qwen2_checkpoint_keeps_its_biases_dense_and_generates_like_the_masked_dense_model(tmp_path):
+    """Qwen2's q/k/v biases stay dense beside the packed wqkv, load into SparseLinear's bias, and the
+    packed model decodes the tokens of the dense model with the same masked weights and biases."""
+    generate = pytest.importorskip("generate")
+    from sparse import SparseLinear
+    torch.manual_seed(0)
+    config = ModelArgs(architecture="qwen2", qkv_bias=True, block_size=128, vocab_size=80, n_layer=2, n_head=4,
+                       n_local_heads=2, dim=64, intermediate_size=96, tie_embeddings=True)
+    model = Transformer(config)
+    for layer in model.layers:  # nn.Linear's default bias is small: make it count
+        torch.nn.init.normal_(layer.attention.wqkv.bias, 0, 0.5)
+    source = tmp_path / "qwen2.pth"
+    save_checkpoint(source, model.state_dict(), config, {})
+    out = tmp_path / "pruned.pth"
+    prune_checkpoint(source, calibration_set(), "sparsegpt", "2:4", out, batch_tokens=100)
+    state_dict, _, metadata = load_checkpoint(out)
+    for i in range(2):
+        assert torch.equal(state_dict[f"layers.{i}.attention.wqkv.bias"], model.layers[i].attention.wqkv.bias)
+    masked = dense_model(source)
+    for name in metadata["sparsity"]["layers"]:
+        masked.get_submodule(name).weight.data = unpack(state_dict[f"{name}.values"], state_dict[f"{name}.mask"])
+    loaded = generate.load_model(out, "cpu", torch.float32)
+    assert isinstance(loaded.layers[0].attention.wqkv, SparseLinear)
+    assert torch.equal(loaded.layers[0].attention.wqkv.bias, model.layers[0].attention.wqkv.bias)
+    prompts = [torch.randint(0, 80, (n,), generator=torch.Generator().manual_seed(n)) for n in (7, 12)]
+    ours = generate.generate(loaded, prompts, 24).new_tokens
+    expected = generate.generate(masked, prompts, 24).new_tokens
+    assert [t.tolist() for t in ours] == [t.tolist() for t in expected]
+    tokens = torch.cat(prompts)
+    torch.testing.assert_close(logits(loaded, tokens), logits(masked, tokens), rtol=1e-4, atol=1e-4)
+    masked_without_bias = dense_model(source)
+    masked_without_bias.load_state_dict(masked.state_dict())
+    for layer in masked_without_bias.layers:
+        layer.attention.wqkv.bias.data.zero_()
+    assert not torch.allclose(logits(masked_without_bias, tokens), logits(masked, tokens), atol=1e-3)
+
+
 def test_checkpoint_in_the_older_bitmask_v1_layout_still_loads(tiny_checkpoint, tmp_path):
     # bitmask-v1, the older layout, stored each row's kept values as column (word, step) of a
     # (in/32 * nnz, out) buffer; load_model converts it to the current layout.

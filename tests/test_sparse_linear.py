@@ -143,9 +143,22 @@ def test_cpu_path_follows_buffers_changed_in_place():
 
 
 @parent_process_only
-def test_from_dense_refuses_bias():
-    with pytest.raises(ValueError, match="bias"):
-        SparseLinear.from_dense(nn.Linear(64, 8), "2:4")
+def test_bias_stays_dense_and_is_added():
+    """A linear with a bias (Qwen2's q/k/v) packs its weight and keeps the bias as it is, on the CPU
+    path and through swap_linears_for_state_dict; a layer without one has no bias parameter."""
+    dense = nn.Linear(64, 8, dtype=torch.float64)
+    layer = SparseLinear.from_dense(dense, "2:4")
+    assert torch.equal(layer.bias, dense.bias) and layer.bias.data_ptr() != dense.bias.data_ptr()
+    x = torch.randn(3, 64, dtype=torch.float64)
+    pruned = dense.weight * keep_largest(dense.weight, "2:4")
+    assert torch.allclose(layer(x), x @ pruned.T + dense.bias)
+    assert SparseLinear.from_dense(nn.Linear(64, 8, bias=False), "2:4").bias is None
+    with torch.device("meta"):
+        empty = nn.Module()
+        empty.proj = nn.Linear(64, 8)
+    swap_linears_for_state_dict(empty, {f"proj.{k}": v for k, v in layer.state_dict().items()}, "2:4")
+    empty.load_state_dict({f"proj.{k}": v for k, v in layer.state_dict().items()}, assign=True)
+    assert torch.allclose(empty.proj(x), layer(x))
 
 
 @parent_process_only
@@ -183,12 +196,13 @@ def test_swap_linears_for_state_dict_loads_on_meta():
     assert torch.equal(layer.mask, source.layers[0].feed_forward.w13.mask)
 
 
-def sparse_model_and_float64_reference(rows, device="cpu", dtype=torch.float32):
+def sparse_model_and_float64_reference(rows, device="cpu", dtype=torch.float32, qkv_bias=False):
     """A two-layer 2:4 model after a 5-token prefill of `rows` prompts, the same model with the
-    unpacked weights in float64 on the CPU, and the token of the decode step to feed both."""
+    unpacked weights in float64 on the CPU, and the token of the decode step to feed both.
+    qkv_bias: a Qwen2 model, whose packed wqkv keeps its dense bias."""
     torch.manual_seed(0)
-    config = ModelArgs(dim=64, n_layer=2, n_head=4, n_local_heads=2, intermediate_size=96, vocab_size=50,
-                       block_size=32)
+    config = ModelArgs(architecture="qwen2" if qkv_bias else "llama", qkv_bias=qkv_bias, dim=64, n_layer=2,
+                       n_head=4, n_local_heads=2, intermediate_size=96, vocab_size=50, block_size=32)
     model = Transformer(config).eval()
     for norm in [m for m in model.modules() if type(m).__name__ == "RMSNorm"]:
         norm.weight.data = 1 + 0.3 * torch.randn_like(norm.weight)  # not all ones: the fused scale counts
@@ -210,15 +224,18 @@ def sparse_model_and_float64_reference(rows, device="cpu", dtype=torch.float32):
 
 @interpreted
 @torch.no_grad()
-@pytest.mark.parametrize("prologue_apart_from,residual_apart_from", [(9, 9), (2, 9), (2, 2)])
+@pytest.mark.parametrize("prologue_apart_from,residual_apart_from,qkv_bias",
+                         [(9, 9, False), (2, 9, False), (2, 2, False), (9, 9, True), (2, 2, True)])
 def test_sparse_decode_step_through_the_fused_kernels_matches_float64(prologue_apart_from, residual_apart_from,
-                                                                      monkeypatch):
+                                                                      qkv_bias, monkeypatch):
     """A whole model: the decode step's linears take norm, residual and silu * up into the SpMV
     (SparseLinear.fuses under the interpreter), or at its 2 rows only the residual with the
-    prologue run apart, or neither, against the unpacked weights in float64 math."""
+    prologue run apart, or neither, against the unpacked weights in float64 math; with Qwen2's
+    q/k/v bias added after the kernel that fused the norm, or after the plain product."""
     monkeypatch.setattr(linear, "ROUTES", dataclasses.replace(linear.ROUTES, prologue_apart_from_rows=prologue_apart_from,
                                                               residual_apart_from_rows=residual_apart_from))
-    model, reference, token = sparse_model_and_float64_reference(2)
+    model, reference, token = sparse_model_and_float64_reference(2, qkv_bias=qkv_bias)
+    assert (model.layers[0].attention.wqkv.bias is not None) == qkv_bias
     probe = model.layers[0].feed_forward.w2
     assert probe.fuses(torch.zeros(2, 1, 96)) == (residual_apart_from > 2) and not probe.fuses(torch.zeros(2, 5, 96))
     assert probe.fuses(torch.zeros(2, 1, 96), prologue=True) == (prologue_apart_from > 2 and residual_apart_from > 2)
@@ -350,13 +367,15 @@ def test_layers_fuse_their_residual_and_prologue_below_the_route_tables_rows(mon
 @pytest.mark.gpu
 @needs_cuda
 @torch.no_grad()
+@pytest.mark.parametrize("qkv_bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 4, 8])
-def test_gpu_sparse_decode_step_with_the_default_fusions_matches_float64(rows):
+def test_gpu_sparse_decode_step_with_the_default_fusions_matches_float64(rows, qkv_bias):
     """A whole bf16 model's decode step on the GPU with the shipped row thresholds: at 1 row the
     SpMVs take norm, silu * up and residual; at 4 the prologues run apart; at 8 the residuals too.
     Eagerly, then compiled into CUDA graphs as generate.py runs it (its warm-up, recording and
-    replays): the kernels' programmatic dependent launches (on Hopper) captured with their edges."""
-    model, reference, token = sparse_model_and_float64_reference(rows, "cuda", torch.bfloat16)
+    replays): the kernels' programmatic dependent launches (on Hopper) captured with their edges.
+    qkv_bias: Qwen2's dense q/k/v bias, added after the packed wqkv's kernel."""
+    model, reference, token = sparse_model_and_float64_reference(rows, "cuda", torch.bfloat16, qkv_bias)
     probe, x = model.layers[0].feed_forward.w2, torch.zeros(rows, 1, 96, device="cuda", dtype=torch.bfloat16)
     assert probe.fuses(x) == (rows < linear.ROUTES.residual_apart_from_rows)
     assert probe.fuses(x, prologue=True) == (rows < min(linear.ROUTES.prologue_apart_from_rows,
