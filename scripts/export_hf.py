@@ -10,8 +10,6 @@ The exporter is convert/export_hf.py; this is its command line.
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 
 import cli_args  # noqa: E402

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from scripts import bench_attention
-from sparse.kernels import common, decode_attention
+from sparse.kernels import decode_attention
 from tests.sparse_kernel_testing import interpreted, relative_error
 
 

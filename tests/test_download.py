@@ -10,8 +10,6 @@ from pathlib import Path
 
 import pytest
 
-import pytest
-
 from checkpoint import load_checkpoint
 from script_testing import assert_one_line_error, run_script
 from scripts import download

@@ -1,7 +1,6 @@
 """evaluation/lm_eval_adapter.py against lm-eval's own Hugging Face model (`hf`) on the exported folder
 of the same checkpoint: the local tasks in tests/data/lm_eval_tasks (multiple choice, generate_until,
 loglikelihood_rolling) give the same scores and per-request log-likelihoods within 1e-3."""
-import os
 
 import pytest
 import torch

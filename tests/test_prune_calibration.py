@@ -111,7 +111,7 @@ def test_decode_statistics_match_a_kv_cached_decode_and_exclude_the_prompt():
     """Hook every layer's wqkv input during generate()'s KV-cached decode steps (the reference),
     then replay the calibration set teacher-forced: the H from decode positions must match, and
     including the huge-norm prompt positions would not."""
-    generate = pytest.importorskip("generate")
+    pytest.importorskip("generate")
     model = tiny_model()
     prompts = [[HUGE_PROMPT_TOKEN] * 40 + [3, 4], [HUGE_PROMPT_TOKEN] * 25 + [5]]  # different lengths: left padding
     decode_stats = [InputStatistics(32, dtype=torch.float64) for _ in model.layers]

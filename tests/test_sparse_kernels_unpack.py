@@ -5,7 +5,6 @@ import pytest
 import torch
 
 from sparse.format import unpack
-from sparse.kernels import common
 from sparse.kernels.unpack import unpack_to_dense
 from tests.sparse_kernel_testing import interpreted, random_packed
 
