@@ -23,9 +23,9 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
 import cli_args
+from convert.writer import DTYPES
 from evaluation.generation import USER_ERRORS, forward_logits, load_model_and_tokenizer
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Scored sequences are padded to a multiple of this many tokens, so a compiled forward sees few shapes.
 LENGTH_STEP = 16
 
