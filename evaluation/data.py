@@ -88,17 +88,25 @@ def writing_rows(heldout: bool) -> list[dict]:
 def prompt_rows(n_writing_heldout: int = 20, n_code_heldout: int = 10) -> tuple[list[dict], list[dict]]:
     """(calibration rows, held-out rows), disjoint, as {"prompt", "domain", "reference"} (the held-out
     rows without a reference). Calibration: the LongBench-Write-en rows writing_rows does not hold out
-    (writing), then MBPP problems 601-974, outside MBPP's test split (code, with their reference
-    solutions). Held out: the first n_writing_heldout held-out LongBench-Write-en rows (writing) and
+    (writing) and MBPP problems 601-974, outside MBPP's test split (code, with their reference
+    solutions), alternating one of each while both last, so that any prefix a token budget takes
+    holds both domains about equally. Held out: the first n_writing_heldout held-out LongBench-Write-en rows (writing) and
     the first n_code_heldout HumanEval prompts (code)."""
     mbpp = [dict(prompt=row["text"], domain="code", reference=row["code"])
             for row in read_jsonl(data_path("mbpp.jsonl")) if row["task_id"] >= 601]
     humaneval = [dict(prompt=row["prompt"], domain="code")
                  for row in read_jsonl(data_path("HumanEval.jsonl.gz"))[:n_code_heldout]]
     # LongBench-Write has no reference answers: a writing prompt's human text is the prompt alone.
-    calibration = [dict(prompt=row["prompt"], domain="writing", reference=None) for row in writing_rows(heldout=False)]
+    writing = [dict(prompt=row["prompt"], domain="writing", reference=None) for row in writing_rows(heldout=False)]
     heldout = [dict(prompt=row["prompt"], domain="writing") for row in writing_rows(heldout=True)][:n_writing_heldout]
-    return calibration + mbpp, heldout + humaneval
+    return alternate(writing, mbpp), heldout + humaneval
+
+
+def alternate(first: list, second: list) -> list:
+    """first[0], second[0], first[1], second[1], ..., then the rest of the longer list."""
+    shared = min(len(first), len(second))
+    mixed = [row for pair in zip(first[:shared], second[:shared]) for row in pair]
+    return mixed + first[shared:] + second[shared:]
 
 
 def prompt_split(n_writing_heldout: int = 20, n_code_heldout: int = 10) -> tuple[list[str], list[str]]:

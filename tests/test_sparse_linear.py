@@ -196,10 +196,13 @@ def test_swap_linears_for_state_dict_loads_on_meta():
     assert torch.equal(layer.mask, source.layers[0].feed_forward.w13.mask)
 
 
-def sparse_model_and_float64_reference(rows, device="cpu", dtype=torch.float32, qkv_bias=False):
+def sparse_model_and_float64_reference(rows, device="cpu", dtype=torch.float32, qkv_bias=False,
+                                       prefill_through_the_kernels=True):
     """A two-layer 2:4 model after a 5-token prefill of `rows` prompts, the same model with the
     unpacked weights in float64 on the CPU, and the token of the decode step to feed both.
-    qkv_bias: a Qwen2 model, whose packed wqkv keeps its dense bias."""
+    qkv_bias: a Qwen2 model, whose packed wqkv keeps its dense bias. prefill_through_the_kernels=False
+    copies the reference's caches instead: the interpreter takes most of a minute for the prefill's
+    SpMMs, which tests of their own cover."""
     torch.manual_seed(0)
     config = ModelArgs(architecture="qwen2" if qkv_bias else "llama", qkv_bias=qkv_bias, dim=64, n_layer=2,
                        n_head=4, n_local_heads=2, intermediate_size=96, vocab_size=50, block_size=32)
@@ -217,8 +220,13 @@ def sparse_model_and_float64_reference(rows, device="cpu", dtype=torch.float32, 
     tokens = torch.randint(0, 50, (rows, 6))
     model.setup_caches(rows, 16)
     reference.setup_caches(rows, 16)
-    model(tokens[:, :5].to(device), torch.arange(5, device=device))
     reference(tokens[:, :5], torch.arange(5))
+    if prefill_through_the_kernels:
+        model(tokens[:, :5].to(device), torch.arange(5, device=device))
+    else:
+        for ours, theirs in zip(model.layers, reference.layers):
+            for name in ("k_cache", "v_cache"):
+                getattr(ours.attention.kv_cache, name).copy_(getattr(theirs.attention.kv_cache, name))
     return model, reference, tokens[:, 5:]
 
 
@@ -234,7 +242,7 @@ def test_sparse_decode_step_through_the_fused_kernels_matches_float64(prologue_a
     q/k/v bias added after the kernel that fused the norm, or after the plain product."""
     monkeypatch.setattr(linear, "ROUTES", dataclasses.replace(linear.ROUTES, prologue_apart_from_rows=prologue_apart_from,
                                                               residual_apart_from_rows=residual_apart_from))
-    model, reference, token = sparse_model_and_float64_reference(2, qkv_bias=qkv_bias)
+    model, reference, token = sparse_model_and_float64_reference(2, qkv_bias=qkv_bias, prefill_through_the_kernels=False)
     assert (model.layers[0].attention.wqkv.bias is not None) == qkv_bias
     probe = model.layers[0].feed_forward.w2
     assert probe.fuses(torch.zeros(2, 1, 96)) == (residual_apart_from > 2) and not probe.fuses(torch.zeros(2, 5, 96))
