@@ -65,6 +65,16 @@ def write_json_atomic(path, obj):
     atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n"))
 
 
+def count_to_evaluate(available: int, limit, source: str) -> int:
+    """How many of the `available` prompts of `source` to evaluate: all, unless --limit asks for
+    fewer; printed either way, so a prompt file is never cut short unseen."""
+    if limit is not None and limit < available:
+        print(f"evaluating the first {limit} of the {available} prompts of {source} (--limit)")
+        return limit
+    print(f"evaluating all {available} prompts of {source}")
+    return available
+
+
 def refuse_overlap(calibration_digests, evaluation_prompts: list[str], calibrated_on: str = "calibration prompts"):
     """ValueError (one line) if an evaluation prompt is one the model was calibrated on, compared by
     prune.calibration.prompt_digest: a test set must be disjoint from the calibration set."""

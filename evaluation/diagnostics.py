@@ -32,11 +32,11 @@ import torch.nn as nn
 from tqdm import tqdm
 
 import cli_args
-from evaluation.data import prompt_split
-from evaluation.data import data_path, read_prompts, write_json_atomic
-from evaluation.fidelity import dense_references
+from evaluation.data import count_to_evaluate, data_path, prompt_split, read_prompts, refuse_overlap, write_json_atomic
+from evaluation.fidelity import calibration_prompt_digests, dense_references
 from evaluation.generation import USER_ERRORS, forward_logits, load_model, load_model_and_tokenizer
 from evaluation.perplexity import read_text
+from prune.calibration import prompt_digest
 
 FRACTIONS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0)
 
@@ -225,14 +225,14 @@ def main():
     act = sub.add_parser("activation", help="per-layer discrepancy vs decode step")
     act.add_argument("--pruned", required=True)
     act.add_argument("--prompts", help="held-out prompts (default: the held-out split of evaluation.compare)")
-    act.add_argument("--limit", type=cli_args.positive_int, default=8)
+    act.add_argument("--limit", type=cli_args.positive_int, help="only the first N prompts (default: all)")
     hes = sub.add_parser("hessian", help="AR vs C4 calibration Hessians against decode-time Hessians")
     hes.add_argument("--calib_prompts", help="decoding-aware calibration prompts (default: evaluation.compare's calibration split)")
     hes.add_argument("--heldout_prompts", help="prompts standing in for deployment (default: compare's held-out split)")
     hes.add_argument("--text", default="c4_sample.jsonl", help="teacher-forced calibration text")
     hes.add_argument("--tokens", type=cli_args.positive_int, default=8192, help="token budget of AR and of C4 (equal)")
     hes.add_argument("--seq_len", type=cli_args.positive_int, default=512, help="C4 window length")
-    hes.add_argument("--limit", type=cli_args.positive_int, default=16, help="held-out prompts")
+    hes.add_argument("--limit", type=cli_args.positive_int, help="only the first N held-out prompts (default: all)")
     for p in (act, hes):
         p.add_argument("--dense", required=True)
         p.add_argument("--max_new_tokens", type=cli_args.positive_int, default=128)
@@ -241,9 +241,11 @@ def main():
     args = parser.parse_args()
     out_dir = Path(args.out_dir)
     try:
-        dense, tokenizer = load_model_and_tokenizer(args.dense, args.device)
-        if args.command == "activation":
-            prompts = (read_prompts(args.prompts) if args.prompts else prompt_split()[1])[: args.limit]
+        if args.command == "activation":  # the prompts are checked before any model loads
+            prompts = read_prompts(args.prompts) if args.prompts else prompt_split()[1]
+            prompts = prompts[: count_to_evaluate(len(prompts), args.limit, args.prompts or "compare's held-out split")]
+            refuse_overlap(calibration_prompt_digests(args.pruned), prompts, f"prompts {args.pruned} was calibrated on")
+            dense, tokenizer = load_model_and_tokenizer(args.dense, args.device)
             pruned = load_model(args.pruned, args.device)
             # Fixed-length runs past EOS: a pruned model that ends at once would leave no steps to compare.
             result = activation_discrepancy(
@@ -255,7 +257,9 @@ def main():
             print(f"mean over layers at the last step: autoregressive {last:.4f}, "
                   f"teacher-forced {torch.tensor(result['teacher_forced'])[:, -1].mean().item():.4f}")
         else:
-            result = hessian_study(dense, tokenizer, args)
+            heldout, calib = hessian_prompts(args)
+            dense, tokenizer = load_model_and_tokenizer(args.dense, args.device)
+            result = hessian_study(dense, tokenizer, heldout, calib, args)
             write_json_atomic(out_dir / "hessian_epsilon.json", result)
             plot_hessian(result, out_dir / "hessian_epsilon.png")
             for row in result["summary"]:
@@ -265,10 +269,18 @@ def main():
         cli_args.exit_with_error(e)
 
 
-def hessian_study(dense, tokenizer, args) -> dict:
+def hessian_prompts(args) -> tuple[list[str], list[str]]:
+    """(held-out prompts, calibration prompts), disjoint: DEC stands for deployment, and a held-out
+    prompt that AR also calibrates on would flatter AR."""
     calib_default, heldout_default = prompt_split()
-    heldout = (read_prompts(args.heldout_prompts) if args.heldout_prompts else heldout_default)[: args.limit]
+    heldout = read_prompts(args.heldout_prompts) if args.heldout_prompts else heldout_default
+    heldout = heldout[: count_to_evaluate(len(heldout), args.limit, args.heldout_prompts or "compare's held-out split")]
     calib = read_prompts(args.calib_prompts) if args.calib_prompts else calib_default
+    refuse_overlap({prompt_digest(p) for p in calib}, heldout, "calibration prompts (--calib_prompts)")
+    return heldout, calib
+
+
+def hessian_study(dense, tokenizer, heldout: list[str], calib: list[str], args) -> dict:
     dec_refs = dense_references(dense, tokenizer, heldout, args.max_new_tokens)
     ar_refs, used = [], 0
     for start in range(0, len(calib), 16):  # generate only as many calibration prompts as the budget needs

@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 import cli_args
 from checkpoint import load_checkpoint
-from evaluation.data import prompt_rows, read_jsonl, read_prompts, refuse_overlap
+from evaluation.data import count_to_evaluate, prompt_rows, read_jsonl, read_prompts, refuse_overlap
 from evaluation.generation import (encode_prompt, forward_logits, greedy_token_ids, load_model,
                                    load_model_and_tokenizer, run_cli)
 
@@ -146,12 +146,8 @@ def main():
         else:
             rows = prompt_rows()[1]
             prompts, domains = [row["prompt"] for row in rows], [row["domain"] for row in rows]
-        source = args.prompts or "evaluation.compare's held-out prompts"
-        if args.limit is not None and args.limit < len(prompts):
-            print(f"evaluating the first {args.limit} of the {len(prompts)} prompts of {source} (--limit)")
-            prompts, domains = prompts[: args.limit], domains[: args.limit]
-        else:
-            print(f"evaluating all {len(prompts)} prompts of {source}")
+        count = count_to_evaluate(len(prompts), args.limit, args.prompts or "evaluation.compare's held-out prompts")
+        prompts, domains = prompts[:count], domains[:count]
         refuse_overlap(calibration_prompt_digests(args.pruned), prompts, f"prompts {args.pruned} was calibrated on")
         dense, tokenizer = load_model_and_tokenizer(args.dense, args.device)
         pruned = load_model(args.pruned, args.device)

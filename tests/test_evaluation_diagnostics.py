@@ -60,3 +60,26 @@ def test_hessian_tables_count_and_ratio(tmp_path):
         assert row["median_ratio_ar_over_c4"] == pytest.approx((0.5 + 2.0) / 2)
     plot_hessian(tables, tmp_path / "h.png")
     assert (tmp_path / "h.png").stat().st_size > 0
+
+
+def run_diagnostics_cli(monkeypatch, argv):
+    from evaluation import diagnostics
+    monkeypatch.setattr("sys.argv", ["diagnostics"] + argv)
+    with pytest.raises(SystemExit) as exit_info:
+        diagnostics.main()
+    return exit_info.value.code
+
+
+def test_cli_refuses_held_out_prompts_it_calibrates_on_before_loading_a_model(tmp_path, monkeypatch, capsys):
+    calib, heldout = tmp_path / "calib.txt", tmp_path / "heldout.txt"
+    calib.write_text("write a poem\nsort a list\n")
+    heldout.write_text("tell a joke\nsort a list\nname a river\n")
+    code = run_diagnostics_cli(monkeypatch, ["hessian", "--dense", str(tmp_path / "absent.pth"), "--out_dir",
+                                             str(tmp_path / "out"), "--calib_prompts", str(calib),
+                                             "--heldout_prompts", str(heldout), "--limit", "2"])
+    out, err = capsys.readouterr()
+    assert code == 2 and f"evaluating the first 2 of the 3 prompts of {heldout} (--limit)" in out
+    assert err.strip().splitlines()[-1].endswith(
+        "1 of the 2 evaluation prompts are among the calibration prompts (--calib_prompts) (first: 'sort a list'); "
+        "evaluate on held-out prompts")
+    assert not (tmp_path / "out").exists()
