@@ -21,9 +21,9 @@ decode calibration (the dense model's generations, shared by decode, decode_firs
 every backend and pattern at one seed) is cached in the workdir.
 
 Prompt split (nothing is evaluated on prompts it was calibrated on; checked before any work):
-  calibration:         LongBench-Write-en rows whose index is not a multiple of 3 (domain writing),
-                       then MBPP problems 601-974 (outside MBPP's test split; domain code, with
-                       their reference solutions);
+  calibration:         LongBench-Write-en rows whose index is not a multiple of 3 (domain writing)
+                       and MBPP problems 601-974 (outside MBPP's test split; domain code, with
+                       their reference solutions), alternating while the writing rows last;
   held-out (fidelity): LongBench-Write-en rows 0, 3, 6, ... (writing) and the first HumanEval
                        prompts (code); fidelity is reported per domain and overall.
 Perplexity is measured on WikiText-2 test and, with --c4_ppl_tokens, on held-out C4: the documents of
