@@ -175,7 +175,7 @@ def evaluate(checkpoint, tasks: list[str], *, device="cpu", dtype=None, batch_si
         raise ValueError(f"unknown lm-eval task '{unknown[0]}' (lm-eval {lm_eval.__version__} lists "
                          f"{len(task_manager.all_tasks)}; --include_path adds a folder of task YAMLs)")
     try:  # the datasets first, so an offline machine hears it before the model is loaded
-        task_manager.load_task_or_group(tasks)
+        task_manager.load(tasks)
     except ConnectionError as e:
         raise ValueError(f"cannot fetch the datasets of {','.join(tasks)} ({str(e).strip().splitlines()[0]}); "
                          f"lm-eval needs the Hugging Face hub once for each task, or --include_path with local "
