@@ -365,9 +365,14 @@ def generation_calibration(model, prompts: list, n_tokens: int, max_new_tokens: 
         started += useful
 
         def show_progress(tokens, total_before=total, budget=remaining, rows=useful):
-            # While the batch runs: its kept rows' decode steps so far (rows that already hit EOS
-            # included); the exact count replaces it when the batch ends.
-            progress.n = total_before + min(budget, rows * (tokens.shape[1] - 1))
+            # While the batch runs: its kept rows' decode steps so far, each row up to its first EOS
+            # (a bar that counted ended rows would overshoot, then fall back when the batch ends).
+            kept = tokens[:rows]
+            lengths = torch.full((kept.shape[0], ), kept.shape[1], device=kept.device)
+            if eos_ids:
+                is_eos = torch.isin(kept, torch.tensor(list(eos_ids), device=kept.device))
+                lengths = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, lengths)
+            progress.n = total_before + min(budget, int((lengths - 1).sum()))
             progress.update(0)  # redraws at tqdm's usual pace, not every step
 
         result = generate(model, batch, steps, temperature=temperature, top_k=top_k, top_p=top_p,

@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 
+from generate import generate
 from model import ModelArgs, Transformer
 from prune.calibration import (SOURCES, CalibrationError, CalibrationSet, InputStatistics, decode_calibration,
                                from_decode, generation_calibration, prompt_digest, prompt_file_record,
@@ -301,3 +302,32 @@ def test_generated_sequences_are_labelled_with_their_prompts_domain():
         assert not calibration.counted[i][:prompt_len].any() and calibration.counted[i][prompt_len:].all()
     mix = calibration.mix()
     assert mix["counted_tokens"] == 40 and sum(d["tokens"] for d in mix["domains"].values()) == 40
+
+
+def test_decode_calibration_progress_never_counts_past_a_rows_eos(monkeypatch):
+    """Rows that ended add nothing while the batch runs: the bar never goes back."""
+    import prune.calibration as calibration_module
+
+    shown = []
+
+    class RecordingBar:
+        def __init__(self, total, **_):
+            self.n = 0
+
+        def update(self, n=1):
+            shown.append(self.n)
+
+        def refresh(self):
+            shown.append(self.n)
+
+        def close(self):
+            pass
+
+        write = staticmethod(lambda text: None)
+
+    monkeypatch.setattr(calibration_module, "tqdm", RecordingBar)
+    model, prompts = tiny_model(), [torch.arange(2, 6), torch.arange(3, 9)]
+    eos = generate(model, [prompts[0]], 3).new_tokens[0][1].item()  # the first row ends after 2 tokens
+    calibration = generation_calibration(model, prompts, n_tokens=12, max_new_tokens=12, batch_size=2,
+                                         eos_ids=(eos, ), temperature=0)
+    assert shown == sorted(shown) and shown[-1] == calibration.counted_tokens
