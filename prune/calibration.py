@@ -348,6 +348,7 @@ def generation_calibration(model, prompts: list, n_tokens: int, max_new_tokens: 
     sequences, counted, sequence_domains, prompt_lengths, total = [], [], [], [], 0
     started, n_batches, empty_batches = 0, 0, 0  # started: prompts generated so far, counting repeats
     progress = tqdm(total=n_tokens, desc="decode calibration", unit="tok")
+    eos = torch.tensor(sorted(eos_ids), device=next(model.parameters()).device)  # made once, read by show_progress
     while total < n_tokens:
         if greedy and started == len(prompts):
             tqdm.write(f"greedy decoding of {len(prompts)} prompts gave {total} decode tokens, fewer than "
@@ -370,7 +371,7 @@ def generation_calibration(model, prompts: list, n_tokens: int, max_new_tokens: 
             kept = tokens[:rows]
             lengths = torch.full((kept.shape[0], ), kept.shape[1], device=kept.device)
             if eos_ids:
-                is_eos = torch.isin(kept, torch.tensor(list(eos_ids), device=kept.device))
+                is_eos = torch.isin(kept, eos)
                 lengths = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, lengths)
             progress.n = total_before + min(budget, int((lengths - 1).sum()))
             progress.update(0)  # redraws at tqdm's usual pace, not every step
