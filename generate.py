@@ -311,8 +311,10 @@ def generate(model: Transformer, prompts: Sequence[Tensor], max_new_tokens: int,
     Prompts are left-padded into one batch. The KV-cached step t >= 1 feeds generated token t-1
     at position prompt_len + t - 1 of its row, so a row's decode-step positions are
     prompt_len .. len(sequence) - 2. Generation stops when every row has produced one of
-    `eos_ids` (rows that finished early keep being fed tokens, but their output is cut) or
-    after max_new_tokens; it is also cut short where the model's context ends.
+    `eos_ids` or after max_new_tokens; it is also cut short where the model's context ends.
+    A row that has produced an EOS leaves the batch (its KV cache rows are compacted away), so
+    later steps cost only the rows still going; under `compile` the batch keeps its shape for the
+    CUDA graph instead, and ended rows keep being fed tokens whose output is cut.
 
     on_tokens, if given, is called with the ids generated so far ([B, n] on the model's device):
     after the prefill, then every decode step on the CPU but only every EOS_CHECK_INTERVAL steps
@@ -370,15 +372,20 @@ def generate(model: Transformer, prompts: Sequence[Tensor], max_new_tokens: int,
         # The step's input is a [B, 1] buffer of its own, not a slice of `out`: a slice's stride
         # depends on max_new_tokens, and the compiled step would recompile for every new length.
         token = out[:, :1].clone()
+        rows = Batch(model, pads, retire=eos is not None and not compile)
+        check_every = EOS_CHECK_INTERVAL if on_cuda else 1  # a look at the ids is free on the CPU
         clock = StepClock(on_cuda)
         start = time.perf_counter()
         steps = 1
         with math_attention:
             for step in _progress(range(1, max_new_tokens), progress):
-                if eos is not None and step % EOS_CHECK_INTERVAL == 0 and _every_row_ended(out[:, :step], eos):
-                    break
-                out[:, step] = decode_fn(model, token, input_pos, noise(), **sampling)
-                token.copy_(out[:, step:step + 1])
+                if eos is not None and step % check_every == 0:
+                    ended = torch.isin(out[rows.ids, :step], eos).any(dim=1)  # the loop's only host sync
+                    if bool(ended.all()):
+                        break
+                    token = rows.retire(ended, token, int(input_pos))
+                out[rows.ids, step] = decode_fn(model, token, input_pos, rows.select(noise()), **sampling)
+                token.copy_(out[rows.ids, step:step + 1])
                 input_pos += 1
                 steps += 1
                 clock.mark()
@@ -439,8 +446,34 @@ def _progress(steps, show: bool):
     return tqdm(steps, desc="decoding", unit="tok")
 
 
-def _every_row_ended(tokens: Tensor, eos: Tensor) -> bool:
-    return bool(torch.isin(tokens, eos).any(dim=1).all())  # the loop's only host sync
+class Batch:
+    """The rows of `out` still decoding, in the order the model's caches hold them. With `retire`,
+    rows that ended are dropped: the live rows' KV cache and left padding move to the front of the
+    buffers (which keep their size), and the next step runs on fewer rows."""
+
+    def __init__(self, model: Transformer, pads: list, retire: bool):
+        self.model, self.retire_rows = model, retire
+        self.ids = slice(None)  # every row, until one retires: a slice keeps the full batch's steps as they were
+        self.pads = torch.tensor(pads, device=model.left_pad.device)
+
+    def select(self, noise: Optional[Tensor]) -> Optional[Tensor]:
+        """The live rows' share of noise drawn for every row, so a row samples as it would in a full batch."""
+        return noise if noise is None else noise[self.ids]
+
+    def retire(self, ended: Tensor, token: Tensor, written: int) -> Tensor:
+        """Drop the rows marked `ended` (given that cache slots [0, written) hold data); the live rows' token."""
+        if not self.retire_rows or not bool(ended.any()):
+            return token
+        keep = (~ended).nonzero().flatten()
+        if isinstance(self.ids, slice):
+            self.ids = torch.arange(len(ended), device=ended.device)
+        for layer in self.model.layers:
+            cache = layer.attention.kv_cache
+            for buffer in (cache.k_cache, cache.v_cache):
+                buffer[: len(keep), :, :written] = buffer[keep, :, :written]  # the index makes a copy first
+        self.ids, self.pads = self.ids[keep], self.pads[keep]
+        self.model.set_left_padding(self.pads if bool(self.pads.any()) else None)
+        return token[keep].clone()
 
 
 def _cut_after_eos(row: Tensor, eos_ids) -> Tensor:
@@ -637,8 +670,10 @@ def print_stats(model, result: GenerationResult, device):
     step_bytes = bytes_read_per_step(model, rows)
     if steps:
         per_second = steps / result.decode_s
+        # Rows leave the batch at their EOS, so the batch's rate counts the tokens each row kept.
+        decoded = sum(len(row) for row in result.new_tokens) - rows  # the first token of each came from the prefill
         print(f"  decode: {steps} steps in {result.decode_s:.2f} s = {per_second:.1f} tok/s per sequence, "
-              f"{per_second * rows:.1f} tok/s over {rows} rows")
+              f"{decoded / result.decode_s:.1f} tok/s over {rows} rows")
         print(f"  bandwidth: {step_bytes['total'] / 1e9:.3g} GB read per step (weights {step_bytes['weights'] / 1e9:.3g}, "
               f"KV cache {step_bytes['kv_cache'] / 1e9:.3g} over all {model.max_seq_length} slots, as the masked "
               f"attention reads them) x {per_second:.1f} steps/s = {step_bytes['total'] * per_second / 1e9:.3g} GB/s")

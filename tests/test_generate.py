@@ -328,6 +328,42 @@ def test_eos_in_every_row_ends_the_loop_early():
     assert stopped.decode_steps <= (free.new_tokens[0] == eos).nonzero()[0].item() + generate.EOS_CHECK_INTERVAL
 
 
+def test_rows_leave_the_batch_at_their_eos_and_the_others_decode_as_alone(monkeypatch):
+    """Greedy rows of different prompt lengths, ending at different steps: each equals its prompt
+    generated alone, and every step after a row's EOS runs on fewer rows."""
+    model = tiny_model()
+    prompts = [random_prompt(n, seed) for seed, n in enumerate([3, 9, 6, 1, 12, 4])]
+    free = generate.generate(model, prompts, 30)
+    eos = first_new_token_at(free.new_tokens[0], 3)
+    assert any(eos not in row for row in free.new_tokens), "pick another EOS: every row ends"
+    rows_per_step = []
+    step = generate.decode_one_token
+    monkeypatch.setattr(generate, "decode_one_token",
+                        lambda model, token, *args, **kw: rows_per_step.append(len(token)) or step(model, token, *args, **kw))
+    batched = generate.generate(model, prompts, 30, eos_ids=[eos])
+    monkeypatch.undo()
+    for prompt, row in zip(prompts, batched.new_tokens):
+        assert torch.equal(row, generate.generate(model, [prompt], 30, eos_ids=[eos]).new_tokens[0])
+    ends = sorted(len(row) for row in batched.new_tokens if row[-1] == eos)
+    assert rows_per_step[0] == len(prompts) and rows_per_step == sorted(rows_per_step, reverse=True)
+    # A row whose EOS came from step s (new token s) is gone from step s + 1 on.
+    assert rows_per_step[-1] == len(prompts) - len(ends)
+    assert rows_per_step[ends[0]] == len(prompts) - sum(end == ends[0] for end in ends)
+    assert not model.left_pad.any()
+
+
+def test_a_sampled_row_draws_the_same_tokens_whether_or_not_others_left_the_batch():
+    model = tiny_model()
+    prompts = [random_prompt(n, 20 + n) for n in (4, 7, 2)]
+    sampling = dict(temperature=1.0, top_k=None, seed=3)
+    free = generate.generate(model, prompts, 25, **sampling)
+    eos = first_new_token_at(free.new_tokens[1], 2)
+    stopped = generate.generate(model, prompts, 25, eos_ids=[eos], **sampling)
+    for row_free, row_stopped in zip(free.new_tokens, stopped.new_tokens):
+        hits = (row_free == eos).nonzero().flatten().tolist()
+        assert torch.equal(row_stopped, row_free[: hits[0] + 1] if hits else row_free)
+
+
 # --- loading and bytes per step ---------------------------------------------------------------
 
 
