@@ -37,3 +37,22 @@ def test_tuned_config_remembers_its_choice_and_takes_the_first_off_cuda():
     assert cache == {"key": (1, 2)}
     cache["key"] = (3, 4)  # as a tuning on the GPU would have left it
     assert tuning.tuned_config(cache, "key", [(1, 2), (3, 4)], x, x, x, never, never) == (3, 4)
+
+
+@pytest.mark.parametrize("out_features, in_features, copies", [
+    (1024, 4096, 39),  # Llama-3.1-8B's k_proj at 2:4: 4.7 MB, copies past three L2s
+    (64, 64, tuning.TUNING_MAX_COPIES),  # a stories260K layer would need ~40,000
+])
+def test_a_tuner_times_each_config_over_copies_of_the_weight_past_the_l2_but_at_most_a_cap(
+        monkeypatch, out_features, in_features, copies):
+    timed = []
+
+    def count_calls(calls, target_ms, replays):  # time_in_cuda_graph needs CUDA; count what it would time
+        timed.append(len(calls))
+        return 2.0 - len(timed)  # the later config is the faster
+
+    monkeypatch.setattr(tuning, "time_in_cuda_graph", count_calls)
+    values = torch.empty(out_features, in_features // 2, dtype=torch.bfloat16, device="meta")
+    mask = torch.empty(in_features // 32, out_features, dtype=torch.int32, device="meta")
+    assert tuning.fastest_in_cuda_graph(["a", "b"], values, mask, run=None) == "b"
+    assert timed == [copies, copies]

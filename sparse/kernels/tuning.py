@@ -20,6 +20,10 @@ import triton
 # Compiles run in threads, most of their work outside the GIL (Triton's AsyncCompileMode).
 COMPILE_THREADS = min(16, os.cpu_count() or 1)
 L2_BYTES = 60e6  # the H200's L2 is ~60 MB (50 MB on an H100): copies rotated past it come from DRAM
+# A tuner copies a weight at most this many times. A layer so small that more copies would be needed
+# sits in the L2 in a real decode step too (its whole model is small), and tens of thousands of
+# copies of it made a tuning take minutes; every layer of the benchmarked models needs fewer.
+TUNING_MAX_COPIES = 128
 
 
 def copies_for(nbytes: int) -> int:
@@ -72,13 +76,13 @@ def fastest_in_cuda_graph(configs, values: torch.Tensor, mask: torch.Tensor, run
                           compile_only=None):
     """The config c of `configs` for which run(c, values, mask) is fastest, each timed in a CUDA
     graph rotating over copies of the packed weight that together exceed the L2 three times (so
-    they stream from DRAM, as in a decode step). Every tuner and the measured route use it.
+    they stream from DRAM, as in a decode step; at most TUNING_MAX_COPIES). Every tuner and the measured route use it.
     timings_out, if given, receives {config: µs a call} for every candidate. compile_only, if given:
     as `compile_all` takes it; every candidate is then compiled first, several at a time."""
     if compile_only is not None:
         compile_all(configs, compile_only)
     nbytes = values.numel() * values.element_size() + mask.numel() * 4
-    copies = [(values, mask)] + [(values.clone(), mask.clone()) for _ in range(copies_for(nbytes) - 1)]
+    copies = [(values, mask)] + [(values.clone(), mask.clone()) for _ in range(min(copies_for(nbytes), TUNING_MAX_COPIES) - 1)]
     timings = [time_in_cuda_graph([lambda v=v, m=m, c=c: run(c, v, m) for v, m in copies], target_ms=1.0, replays=9)
                for c in configs]
     if timings_out is not None:
