@@ -76,13 +76,15 @@ def fastest_in_cuda_graph(configs, values: torch.Tensor, mask: torch.Tensor, run
                           compile_only=None):
     """The config c of `configs` for which run(c, values, mask) is fastest, each timed in a CUDA
     graph rotating over copies of the packed weight that together exceed the L2 three times (so
-    they stream from DRAM, as in a decode step; at most TUNING_MAX_COPIES). Every tuner and the measured route use it.
+    they stream from DRAM, as in a decode step), at most TUNING_MAX_COPIES of them. Every tuner and
+    the measured route use it.
     timings_out, if given, receives {config: µs a call} for every candidate. compile_only, if given:
     as `compile_all` takes it; every candidate is then compiled first, several at a time."""
     if compile_only is not None:
         compile_all(configs, compile_only)
     nbytes = values.numel() * values.element_size() + mask.numel() * 4
-    copies = [(values, mask)] + [(values.clone(), mask.clone()) for _ in range(min(copies_for(nbytes), TUNING_MAX_COPIES) - 1)]
+    count = min(copies_for(nbytes), TUNING_MAX_COPIES)
+    copies = [(values, mask)] + [(values.clone(), mask.clone()) for _ in range(count - 1)]
     timings = [time_in_cuda_graph([lambda v=v, m=m, c=c: run(c, v, m) for v, m in copies], target_ms=1.0, replays=9)
                for c in configs]
     if timings_out is not None:
