@@ -15,8 +15,9 @@ text, reference vs c4 the domain. Every table prints each cell's calibration mix
 tokens per domain, and how many are prompt positions), also recorded in each checkpoint's metadata.
 
 For every (method, pattern, source, seed) it prunes the dense checkpoint with prune's public
-functions, as `python -m prune` would (skipped when the output already exists, so a run can be resumed
-or extended), then evaluates it; each checkpoint's metrics are cached as JSON next to it, and each
+functions, as `python -m prune` would, then evaluates it. Each metric is cached as JSON next to the
+checkpoint and a cell is pruned only when one of its metrics is missing and its checkpoint is absent, so
+a run can be resumed or extended, and a measured cell's checkpoint deleted to save disk. Each
 decode calibration (the dense model's generations, shared by decode, decode_first and generated and by
 every backend and pattern at one seed) is cached in the workdir.
 
@@ -172,6 +173,8 @@ def calibration_mix(checkpoint: Path) -> dict | None:
     copy = checkpoint.with_suffix(".mix.json")
     if copy.exists():
         return json.loads(copy.read_text())
+    if not checkpoint.exists():
+        return None
     from checkpoint import load_checkpoint
     return load_checkpoint(checkpoint, mmap=True)[2].get("calibration", {}).get("mix")
 
@@ -410,8 +413,8 @@ def main():
     parser.add_argument("--batch_size", type=cli_args.positive_int, default=8)
     parser.add_argument("--device", type=cli_args.device, default="cpu")
     parser.add_argument("--existing_only", action="store_true",
-                        help="tabulate what exists: cells whose pruned checkpoint is in --workdir, task scores "
-                             "already measured")
+                        help="tabulate what exists: cells measured or pruned in --workdir, task scores already "
+                             "measured")
     parser.add_argument("--out", type=Path, required=True, help="results JSON")
     parser.add_argument("--plot", type=Path, help="PNG")
     parser.add_argument("--table", type=Path, help="markdown table")
@@ -507,10 +510,14 @@ def run_grid(args) -> dict:
     for method, pattern, calib, seed in tqdm(grid, desc="grid"):
         name = run_name(method, pattern, calib, seed)
         checkpoint = args.workdir / f"{name}.pth"
-        if args.existing_only and not checkpoint.exists():
+        if args.existing_only and not (checkpoint.exists() or (args.workdir / f"{name}.{eval_key}.json").exists()):
             continue
-        prune(args, method, pattern, calib, seed, calib_prompts, checkpoint)
-        metrics = metrics_of(name, functools.cache(lambda: load_model(checkpoint, args.device)))
+
+        def pruned_model(method=method, pattern=pattern, calib=calib, seed=seed, checkpoint=checkpoint):
+            # Pruned only when a metric is missing: a measured cell's checkpoint may be deleted for disk.
+            prune(args, method, pattern, calib, seed, calib_prompts, checkpoint)
+            return load_model(checkpoint, args.device)
+        metrics = metrics_of(name, functools.cache(pruned_model))
         runs.append({"method": method, "pattern": pattern, "calib": calib, "seed": seed,
                      "calibration_mix": calibration_mix(checkpoint), "metrics": metrics})
         write_results(args, runs, dense_metrics, evaluation)

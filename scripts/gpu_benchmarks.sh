@@ -14,6 +14,8 @@
 # GPUs 0 and 1 (tensor parallel), and a run that includes one runs its sections one at a time.
 # Everything is packed into $OUT/results.tgz (OUT defaults to runs/gpu_benchmarks), then a summary is printed.
 # decode_b1 also times GPT-Fast when a copy of it sits in .gptfast (gptfast_decode_driver.py says how).
+# WHEELS=DIR first installs the wheels in DIR (no index, no dependencies) into a temporary folder on
+# PYTHONPATH: test references a machine lacks (lm-eval and dill for tests_engine's adapter tests).
 #
 # Lessons kept here:
 # - Never pipe a benchmark into `tail`: Inductor's compile workers keep the pipe open past a timeout and the output is lost.
@@ -175,6 +177,12 @@ export PYTHONUNBUFFERED=1 TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_
   git status --short 2>/dev/null | head -20  # a tree sent to the device may differ from its commit
 } > "$OUT/environment.txt" 2>&1 < /dev/null
 cat "$OUT/environment.txt"
+if [[ -n ${WHEELS:-} ]]; then
+  site=$(mktemp -d)
+  $PYTHON -m pip install -q --no-index --no-deps --no-compile --target "$site" "$WHEELS"/*.whl < /dev/null ||
+    { echo "WHEELS=$WHEELS: the wheels did not install" >&2; exit 2; }
+  export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
+fi
 gpus=$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | wc -l)
 ((gpus > 0)) || gpus=1
 for section in "${chosen[@]}"; do [[ $section == *_tp2* ]] && gpus=1; done  # it needs GPUs 0 and 1 to itself

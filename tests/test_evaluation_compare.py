@@ -180,7 +180,8 @@ def test_prune_args_pass_on_what_a_grid_may_vary():
 
 
 def test_grid_caches_each_task_apart_and_existing_only_measures_nothing(tmp_path, monkeypatch):
-    """Adding a task to a finished grid measures only that task; --existing_only reads, never measures."""
+    """Adding a task to a finished grid measures only that task; --existing_only reads, never measures;
+    a measured cell whose checkpoint was deleted is pruned again only when a metric is missing."""
     import evaluation.compare as compare
     import evaluation.fidelity
     import evaluation.generation
@@ -189,12 +190,15 @@ def test_grid_caches_each_task_apart_and_existing_only_measures_nothing(tmp_path
     class Tokenizer:  # the context encodes WikiText with it
         encode = staticmethod(lambda text: [0])
 
-    measured = []
+    measured, pruned = [], []
     monkeypatch.setattr(compare, "prompt_rows", lambda *a: ([dict(prompt="calibrate", domain="code", reference=None)],
                                                              [dict(prompt="held out", domain="writing")]))
     monkeypatch.setattr(compare, "data_path", lambda name: tmp_path / name)
 
-    def prune(args, method, pattern, calib, seed, prompts, out):
+    def prune(args, method, pattern, calib, seed, prompts, out):  # as compare.prune: only a missing checkpoint
+        if out.exists():
+            return
+        pruned.append(out.stem)
         out.touch()
         out.with_suffix(".mix.json").write_text('{"counted_tokens": 4, "domains": {"code": {"tokens": 4, "prompt_tokens": 1}}}')
     monkeypatch.setattr(compare, "prune", prune)
@@ -232,6 +236,18 @@ def test_grid_caches_each_task_apart_and_existing_only_measures_nothing(tmp_path
     assert grid("--c4_ppl_tokens", "8", "--tasks", "humaneval") == []
     runs = json.loads((tmp_path / "results.json").read_text())["runs"]
     assert all(run["metrics"] == {"kl": 1.0, "c4_ppl": 9.0, "humaneval_pass@1": 0.5} for run in runs)
+
+    cells = ["wanda-2of4-c4-seed0", "wanda-2of4-decode-seed0"]
+    assert pruned == cells
+    for name in cells:
+        (tmp_path / "grid" / f"{name}.pth").unlink()
+    assert grid("--c4_ppl_tokens", "8", "--tasks", "humaneval") == [] and pruned == cells
+    assert grid("--c4_ppl_tokens", "8", "--tasks", "humaneval", "--existing_only") == []
+    runs = json.loads((tmp_path / "results.json").read_text())["runs"]
+    assert [run["metrics"]["humaneval_pass@1"] for run in runs] == [0.5, 0.5]
+    assert all(run["calibration_mix"]["counted_tokens"] == 4 for run in runs)
+    assert grid("--tasks", "humaneval", "mbpp") == [("mbpp", "dense"), *(("mbpp", name) for name in cells)]
+    assert pruned == cells * 2
 
 
 def test_heldout_c4_documents_never_reach_a_text_calibration(tmp_path):

@@ -71,3 +71,38 @@ def test_a_tensor_parallel_section_sees_two_gpus_and_the_others_one(tmp_path):
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "tp70b_dense_tp2_b1.log").read_text().startswith("[gpu 0,1] tp70b_dense_tp2_b1")
     assert (tmp_path / "tp70b_2of4_b1.log").read_text().startswith("[gpu 0] tp70b_2of4_b1")
+
+
+def fake_python(tmp_path) -> Path:
+    """A PYTHON for the script: pip and -c run the real interpreter; a section's benchmark instead
+    reports whether the wheel's module imports."""
+    path = tmp_path / "python"
+    path.write_text(f"""#!/usr/bin/env bash
+if [[ $1 == -m && $2 == pip || $1 == -c ]]; then exec {sys.executable} "$@"; fi
+exec {sys.executable} -c "import wheel_probe; print('imported', wheel_probe.VALUE)"
+""")
+    path.chmod(0o755)
+    return path
+
+
+def test_wheels_are_installed_for_the_sections_and_a_folder_without_them_exits_2(tmp_path):
+    import zipfile
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    with zipfile.ZipFile(wheels / "wheel_probe-1.0-py3-none-any.whl", "w") as wheel:
+        info = "wheel_probe-1.0.dist-info"
+        wheel.writestr("wheel_probe.py", "VALUE = 42\n")
+        wheel.writestr(f"{info}/METADATA", "Metadata-Version: 2.1\nName: wheel-probe\nVersion: 1.0\n")
+        wheel.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        wheel.writestr(f"{info}/RECORD", "")
+    python = str(fake_python(tmp_path))
+    done = run("attention", PYTHON=python, OUT=str(tmp_path / "out"), SECTION_LIMIT_S="60", WHEELS=str(wheels))
+    assert done.returncode == 0, done.stderr
+    assert "imported 42" in (tmp_path / "out" / "attention.log").read_text()
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    refused = run("attention", PYTHON=python, OUT=str(tmp_path / "out2"), WHEELS=str(empty))
+    assert refused.returncode == 2
+    assert refused.stderr.strip().splitlines()[-1] == f"WHEELS={empty}: the wheels did not install"
+    assert not (tmp_path / "out2" / "attention.log").exists()
