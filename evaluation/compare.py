@@ -413,8 +413,8 @@ def main():
     parser.add_argument("--batch_size", type=cli_args.positive_int, default=8)
     parser.add_argument("--device", type=cli_args.device, default="cpu")
     parser.add_argument("--existing_only", action="store_true",
-                        help="tabulate what exists: cells measured or pruned in --workdir, task scores already "
-                             "measured")
+                        help="tabulate what is measured in --workdir (cells with fidelity and perplexity, task scores), "
+                             "never measure")
     parser.add_argument("--out", type=Path, required=True, help="results JSON")
     parser.add_argument("--plot", type=Path, help="PNG")
     parser.add_argument("--table", type=Path, help="markdown table")
@@ -510,8 +510,8 @@ def run_grid(args) -> dict:
     for method, pattern, calib, seed in tqdm(grid, desc="grid"):
         name = run_name(method, pattern, calib, seed)
         checkpoint = args.workdir / f"{name}.pth"
-        if args.existing_only and not (checkpoint.exists() or (args.workdir / f"{name}.{eval_key}.json").exists()):
-            continue
+        if args.existing_only and not (args.workdir / f"{name}.{eval_key}.json").exists():
+            continue  # not measured (a checkpoint still being pruned or evaluated elsewhere is not read)
 
         def pruned_model(method=method, pattern=pattern, calib=calib, seed=seed, checkpoint=checkpoint):
             # Pruned only when a metric is missing: a measured cell's checkpoint may be deleted for disk.

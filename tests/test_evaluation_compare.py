@@ -248,6 +248,9 @@ def test_grid_caches_each_task_apart_and_existing_only_measures_nothing(tmp_path
     assert all(run["calibration_mix"]["counted_tokens"] == 4 for run in runs)
     assert grid("--tasks", "humaneval", "mbpp") == [("mbpp", "dense"), *(("mbpp", name) for name in cells)]
     assert pruned == cells * 2
+    (tmp_path / "grid" / "wanda-50pct-c4-seed0.pth").touch()  # pruned, not yet measured (another run's)
+    assert grid("--patterns", "2:4", "50%", "--existing_only") == []
+    assert len(json.loads((tmp_path / "results.json").read_text())["runs"]) == 2
 
 
 def test_heldout_c4_documents_never_reach_a_text_calibration(tmp_path):
