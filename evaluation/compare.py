@@ -513,8 +513,7 @@ def run_grid(args) -> dict:
         if args.existing_only and not (args.workdir / f"{name}.{eval_key}.json").exists():
             continue  # not measured (a checkpoint still being pruned or evaluated elsewhere is not read)
 
-        def pruned_model(method=method, pattern=pattern, calib=calib, seed=seed, checkpoint=checkpoint):
-            # Pruned only when a metric is missing: a measured cell's checkpoint may be deleted for disk.
+        def pruned_model():  # called within this iteration, only when a metric is missing
             prune(args, method, pattern, calib, seed, calib_prompts, checkpoint)
             return load_model(checkpoint, args.device)
         metrics = metrics_of(name, functools.cache(pruned_model))
