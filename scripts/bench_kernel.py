@@ -401,22 +401,22 @@ def parse_shapes(text: str) -> list:
     return [tuple(int(n) for n in shape.split("x")) for shape in text.split(",")]
 
 
-def ncu_targets(shapes, batch: int = 1, configs: list = None) -> list:
-    """Launch the kernel a decode step of `batch` rows runs for each 2:4 shape (the SpMV, or from
-    linear.spmm_min_rows the tensor-core SpMM), in its tuned config, once inside an NVTX range named
-    after the kernel ("spmv" or "spmm"; an inner range names shape, batch and config), for Nsight
-    Compute to profile:
+def ncu_targets(shapes, batch: int = 1, configs: list = None, kernel: str = None) -> list:
+    """Launch a 2:4 kernel for each shape at `batch` rows, in its tuned config, once inside an NVTX
+    range named after the kernel ("spmv", "spmm" or "mma_sp"; an inner range names shape, batch and
+    config), for Nsight Compute to profile. `kernel` picks it; by default the one the route table's
+    thresholds give (the SpMV, or from linear.spmm_min_rows the tensor-core SpMM), since the race
+    that may pick the sparse tensor cores instead needs timing:
 
         ncu --clock-control none --nvtx --nvtx-include "spmv/" --set full --import-source yes -o REPORT \\
             python3 scripts/bench_kernel.py --ncu-shapes 4096x4096,28672x4096
-        (--ncu-batch 8 and --nvtx-include "spmm/" for the SpMM)
+        (--ncu-batch 8 and --nvtx-include "spmm/" for the SpMM; --ncu-kernel mma_sp, "mma_sp/")
 
     Compiles run outside the ranges, so ncu skips them. Tuning under ncu is no tuning: its launch
     interception made the SpMV's tuner pick other configs than the benchmark's on all three shapes
     (slower ones), so `configs` (the rows an earlier run without ncu wrote) gives each shape's tuned
     config instead."""
-    on_spmm = batch >= spmm_min_rows(two_of_four=True)
-    kernel = "spmm" if on_spmm else "spmv"
+    kernel = kernel or ("spmm" if batch >= spmm_min_rows(two_of_four=True) else "spmv")
     given = {(r["out"], r["inp"], r["batch"], r["kernel"]): tuple(r["config"]) for r in configs or []}
     rows = []
     for out_features, in_features in shapes:
@@ -425,7 +425,10 @@ def ncu_targets(shapes, batch: int = 1, configs: list = None) -> list:
         config = given.get((out_features, in_features, batch, kernel))
         if configs is not None and config is None:
             sys.exit(f"--ncu-configs has no {kernel} config for {out_features}x{in_features} at batch {batch}")
-        if on_spmm:
+        if kernel == "mma_sp":
+            config = config or mma_sp.spmv_2of4_tuned(x, values, mask)
+            launch = lambda: mma_sp.spmv_2of4(x, values, mask, config=config)  # noqa: E731
+        elif kernel == "spmm":
             config = config or spmm.spmm_config(x, values, mask, two_of_four=True)
             launch = lambda: spmm.spmm(x, values, mask, config=config, two_of_four=True)  # noqa: E731
         else:
@@ -482,6 +485,8 @@ def main():
     p.add_argument("--sweep-batches", default="1,4,16", help="batch sizes for --sweep")
     p.add_argument("--ncu-shapes", help="OUTxIN,...: launch the tuned 2:4 kernel once each, for ncu")
     p.add_argument("--ncu-batch", type=int, default=1, help="rows of x for --ncu-shapes (the SpMM from 8)")
+    p.add_argument("--ncu-kernel", choices=("spmv", "spmm", "mma_sp"),
+                   help="the kernel --ncu-shapes launches (default: the SpMV, the SpMM from 8 rows)")
     p.add_argument("--ncu-configs", type=Path,
                    help="--out-json of an --ncu-shapes run outside ncu: launch its tuned configs, no tuning")
     p.add_argument("--unpack-sweep", help="OUTxIN,... or 'all': time the prefill's expansion kernels and configs")
@@ -498,7 +503,7 @@ def main():
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}", flush=True)
     if args.ncu_shapes:
         configs = json.loads(args.ncu_configs.read_text()) if args.ncu_configs else None
-        rows = ncu_targets(parse_shapes(args.ncu_shapes), args.ncu_batch, configs)
+        rows = ncu_targets(parse_shapes(args.ncu_shapes), args.ncu_batch, configs, args.ncu_kernel)
         if args.out_json:
             args.out_json.write_text(json.dumps(rows, indent=1))
         return
