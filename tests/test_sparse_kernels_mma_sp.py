@@ -52,11 +52,13 @@ K_CONFIGS = [(1, 3, 1, 1, 1), (2, 2, 2, 1, 2), (4, 1, 4, 2, 1), (1, 3, 4, 2, 2),
 
 
 # 40 rows: two and a half 16-row tiles. 96 columns = 3 words. Every K walk at a partial block of 8
-# batch rows; one row, a full block, and two blocks (the second partial) with one walk each, since
-# the batch only sets the blocks and their masks (each interpreted launch takes seconds).
+# batch rows; one row, a full block, and two blocks (the second partial) with one walk each and four
+# tiles (one program, its last 24 rows past the end), since the batch only sets the blocks and their
+# masks (each interpreted launch takes seconds).
 @interpreted
 @pytest.mark.parametrize("batch,configs", [(3, K_CONFIGS), (1, K_CONFIGS[3:4]), (8, K_CONFIGS[3:4]),
-                                           (11, K_CONFIGS[1:2])], ids=["3rows", "1row", "8rows", "11rows"])
+                                           (11, K_CONFIGS[1:2] + [(1, 3, 2, 4, 2)])],
+                         ids=["3rows", "1row", "8rows", "11rows"])
 def test_product_matches_float64(batch, configs):
     seed = case_seed("mma_sp", batch)
     values, mask = random_packed(40, 96, "2:4", seed, dtype=torch.bfloat16)
@@ -164,7 +166,7 @@ def test_product_on_the_tensor_cores_matches_float64(out_features, in_features, 
     reference = unpack(values, mask).double()
     x = torch.randn(batch, in_features, device="cuda").to(torch.bfloat16)
     expected = x.double() @ reference.T
-    for config in compiled_first(mma_sp.mma_sp_kernel, mma_sp.candidate_configs(in_features // 32),
+    for config in compiled_first(mma_sp.mma_sp_kernel, mma_sp.candidate_configs(in_features // 32, batch),
                                  lambda c: mma_sp.spmv_2of4(x, values, mask, config=c, compile_only=True)):
         out = torch.full((batch, out_features), float("nan"), device="cuda", dtype=torch.bfloat16)
         y = mma_sp.spmv_2of4(x, values, mask, config=config, out=out)
@@ -182,7 +184,7 @@ def test_product_with_a_prologue_on_the_tensor_cores_matches_float64(prologue, o
     seed = case_seed(prologue, out_features, batch)
     values, mask = random_packed(out_features, in_features, "2:4", seed, device="cuda", dtype=torch.bfloat16)
     x, options, expected = prologue_case(prologue, batch, values, mask, seed, device="cuda")
-    for config in compiled_first(mma_sp.mma_sp_kernel, mma_sp.candidate_configs(in_features // 32),
+    for config in compiled_first(mma_sp.mma_sp_kernel, mma_sp.candidate_configs(in_features // 32, batch),
                                  lambda c: mma_sp.spmv_2of4(x, values, mask, config=c, compile_only=True, **options)):
         out = torch.full((batch, out_features), float("nan"), device="cuda", dtype=torch.bfloat16)
         y = mma_sp.spmv_2of4(x, values, mask, config=config, out=out, **options)
@@ -208,6 +210,9 @@ def test_sparse_tensor_core_product_machine_code():
     # Two 16-row tiles a warp: twice the weight bytes in flight, x's four loads shared, no spills.
     report = sass.mma_sp_kernel(8, slices=4, unroll=4, tiles=2)
     assert report["spill_bytes"] == 0 and report["loads_per_word"] == 12 and report["per_kept_weight"] < 7.0
+    # Four tiles at 16 rows (two blocks of x shared by four tiles' loads), two words ahead: no spills.
+    report = sass.mma_sp_kernel(16, slices=2, unroll=2, tiles=4, ahead=2)
+    assert report["spill_bytes"] == 0 and report["loads_per_word"] == 24 and report["per_kept_weight"] < 8.0
 
 
 @machine_code

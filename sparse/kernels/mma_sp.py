@@ -443,14 +443,17 @@ def mma_sp_kernel(x_ptr, values_ptr, mask_ptr, y_ptr, residual_ptr, norm_ptr, n_
 PREFETCH_UNROLL = ((1, 2), (1, 4), (2, 2), (4, 4))
 
 
-def candidate_configs(n_words: int):
-    """(slices, words per warp, unroll, tiles, words ahead): the warps of a program split K evenly
-    (K whole in a program); one or two 16-row tiles a warp (two: twice the bytes in flight a warp,
-    x's loads shared); 1, 2 or 4 words' loads in flight a warp (PREFETCH_UNROLL; no more than the
-    warp's words)."""
+def candidate_configs(n_words: int, rows: int):
+    """(slices, words per warp, unroll, tiles, words ahead) for `rows` rows of x: the warps of a
+    program split K evenly (K whole in a program); one or two 16-row tiles a warp (two: twice the
+    bytes in flight a warp, x's loads shared), and above 8 rows also four, since x's fragments then
+    double and sharing them over more weight rows pays; 1, 2 or 4 words' loads in flight a warp
+    (PREFETCH_UNROLL; no more than the warp's words), at most 8 tile-words (four tiles four words
+    ahead spill)."""
+    tile_counts = (1, 2, 4) if rows > 8 else (1, 2)
     return [(slices, triton.cdiv(n_words, slices), unroll, tiles, ahead) for slices in (1, 2, 4, 8, 16)
             if slices <= n_words for ahead, unroll in PREFETCH_UNROLL if ahead <= triton.cdiv(n_words, slices)
-            for tiles in (1, 2)]
+            for tiles in tile_counts if tiles * ahead <= 8]
 
 
 def spmv_2of4(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, config=None, out=None,
@@ -525,6 +528,6 @@ def spmv_2of4_tuned(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, n
     key = _key(x, mask, "norm" if norm_weight is not None else "gated" if gated else "")
     y = torch.empty(x.shape[0], mask.shape[1], dtype=x.dtype, device=x.device)
     options = dict(norm_weight=norm_weight, norm_eps=norm_eps, gated=gated)
-    return tuned_config(tuned_configs, key, candidate_configs(mask.shape[0]), x, values, mask,
+    return tuned_config(tuned_configs, key, candidate_configs(mask.shape[0], x.shape[0]), x, values, mask,
                         lambda config, v, m: _launch(x, v, m, y, config, **options),
                         lambda config: _launch(x, values, mask, y, config, compile_only=True, **options))
