@@ -9,17 +9,27 @@ Nothing is pruned or evaluated.
         --out runs/merged.json --table runs/merged.md --plot runs/merged.png
 
 The files must share the evaluation (held-out set, lengths), the calibration budget, the dense
-model's metrics and, where a file records them, the pruning flags. A cell (backend, pattern,
-calibration, seed) found in two files must hold the same metrics in both: two different cells under
-one name mean two pruning rules were mixed.
+model's metrics (to a relative 1e-6) and, where a file records them, the pruning flags. A cell
+(backend, pattern, calibration, seed) found in two files must hold the same metrics in both: two
+different cells under one name mean two pruning rules were mixed.
 """
 import json
+import math
 from pathlib import Path
 
 import cli_args
 from evaluation.compare import print_summary, write_outputs
 
 SHARED = ("evaluation", "calibration_tokens", "dense")  # what every merged file must agree on
+DENSE_REL_TOL = 1e-6  # the dense model re-measured on another machine differs in float summation order only
+
+
+def same_value(a, b) -> bool:
+    if isinstance(a, float) and isinstance(b, float):
+        return math.isclose(a, b, rel_tol=DENSE_REL_TOL)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_value(a[k], b[k]) for k in a)
+    return a == b
 
 
 def merge(results: list, names: list) -> dict:
@@ -30,7 +40,7 @@ def merge(results: list, names: list) -> dict:
     first = results[0]
     for result, name in zip(results, names):
         for key in SHARED:
-            if result.get(key) != first.get(key):
+            if not same_value(result.get(key), first.get(key)):
                 raise ValueError(f"{name} has {key} {result.get(key)!r}, {names[0]} has {first.get(key)!r}: "
                                  "not the same evaluation")
     recorded = [(result["prune_args"], name) for result, name in zip(results, names) if "prune_args" in result]

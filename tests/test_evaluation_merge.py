@@ -10,14 +10,14 @@ import pytest
 from evaluation import merge
 
 
-def seed_file(seed, kl_c4, kl_decode, prune_args=None, evaluation="ppl2048x512-refs12x96"):
+def seed_file(seed, kl_c4, kl_decode, prune_args=None, evaluation="ppl2048x512-refs12x96", dense_ppl=30.2):
     """One seed's results as compare writes them (its own table and verdicts are not read back)."""
     mix = {"counted_tokens": 100, "domains": {"code": {"tokens": 70, "prompt_tokens": 0},
                                               "writing": {"tokens": 30, "prompt_tokens": 0}}}
     runs = [{"method": "sparsegpt", "pattern": "8:16", "calib": calib, "seed": seed, "calibration_mix": mix,
              "metrics": {"kl": kl}} for calib, kl in (("c4", kl_c4), ("decode", kl_decode))]
     result = {"checkpoint": "dense.pth", "calibration_tokens": 131072, "evaluation": evaluation,
-              "dense": {"wikitext2_ppl": 30.2}, "runs": runs, "table_markdown": "(one seed)", "verdicts": []}
+              "dense": {"wikitext2_ppl": dense_ppl}, "runs": runs, "table_markdown": "(one seed)", "verdicts": []}
     if prune_args is not None:
         result["prune_args"] = prune_args
     return result
@@ -48,10 +48,17 @@ def test_the_same_cell_in_two_files_is_kept_once():
     assert len(merged["runs"]) == 4
 
 
+def test_dense_re_measured_on_another_machine_still_merges():
+    # 40.65980212011814 and 40.659802995141284: the same checkpoint's WikiText-2 perplexity on two CPUs
+    files = [seed_file(0, 1.094, 1.014, dense_ppl=40.65980212011814), seed_file(1, 1.1, 1.0, dense_ppl=40.659802995141284)]
+    assert merge.merge(files, ["a.json", "b.json"])["dense"] == {"wikitext2_ppl": 40.65980212011814}
+
+
 @pytest.mark.parametrize("files,message", [
     # one cell name, two results: two pruning rules under one name
     ([seed_file(0, 1.094, 1.014), seed_file(0, 1.094, 0.843)], "hold different cells for sparsegpt 8:16 decode seed 0"),
     ([SEEDS[0], seed_file(1, 1.1, 1.0, evaluation="ppl4096x512-refs12x96")], "has evaluation 'ppl4096x512-refs12x96'"),
+    ([SEEDS[0], seed_file(1, 1.1, 1.0, dense_ppl=30.21)], "has dense {'wikitext2_ppl': 30.21}"),
     ([seed_file(0, 1.1, 1.0, prune_args=[]), seed_file(1, 1.1, 1.0, prune_args=["--one_shot"])],
      "was pruned with ['--one_shot']"),
 ])
