@@ -15,7 +15,7 @@ def test_l2_prefetch_words_share_the_budget_over_the_grid(monkeypatch):
     assert common.l2_prefetch_words(64 * 4 * 32 * 36, 32) == 32  # never more than the warp walks
     monkeypatch.setattr(common, "PDL_L2_PREFETCH_BYTES", 0)
     assert common.l2_prefetch_words(128 * 4 * 32 * 36, 32) == 0
-    assert not common.programmatic_launch(torch.device("cpu"))
+    assert not common.programmatic_launch(torch.device("cpu"), 1)
 
 
 def test_pdl_l2_prefetch_sets_the_budget_for_its_block_only(monkeypatch):
@@ -26,3 +26,14 @@ def test_pdl_l2_prefetch_sets_the_budget_for_its_block_only(monkeypatch):
         assert common.l2_prefetch_words(128 * 4 * 32 * 36, 32) == 0
         raise RuntimeError("inside")  # a benchmark that fails must not leave the budget changed
     assert common.PDL_L2_PREFETCH_BYTES == 16 << 20
+
+
+def test_programmatic_launch_only_at_one_row(monkeypatch):
+    monkeypatch.setattr(common, "PDL_L2_PREFETCH_BYTES", 16 << 20)
+    monkeypatch.setattr(common, "INTERPRETING", False)
+    monkeypatch.setattr(common, "hopper_or_later", lambda index: True)
+    cuda = torch.device("cuda", 0)
+    assert common.programmatic_launch(cuda, 1)
+    assert not any(common.programmatic_launch(cuda, rows) for rows in (2, 4, 8, 16))
+    monkeypatch.setattr(common, "hopper_or_later", lambda index: False)
+    assert not common.programmatic_launch(cuda, 1)

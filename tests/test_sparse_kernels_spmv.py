@@ -211,7 +211,7 @@ def test_gpu_spmv_chain_with_pdl_in_a_cuda_graph(l2_megabytes, monkeypatch):
     workspace, which consecutive calls share. Links 3 and 6 are the sparse tensor cores' product
     (sparse/kernels/mma_sp.py, launched the same way). Link by link against float64, over two graph
     replays with new inputs, so that a read of the last replay's x would show."""
-    assert common.programmatic_launch(torch.device("cuda")) == common.hopper_or_later(torch.cuda.current_device())
+    assert common.programmatic_launch(torch.device("cuda"), 1) == common.hopper_or_later(torch.cuda.current_device())
     monkeypatch.setattr(common, "PDL_L2_PREFETCH_BYTES", int(l2_megabytes * 2 ** 20))
     n = 4096
     layers = [random_packed(n, n, "2:4", 20 + i, device="cuda", dtype=torch.bfloat16) for i in range(6)]

@@ -5,7 +5,7 @@ its L2 prefetch, the split-K workspace, and small @triton.jit helpers that sever
 constexpr: the interpreter runs no inline PTX and no libdevice, so the kernels keep a plain-Triton
 path for it, and the CPU tests run the same kernel source as the GPU.
 
-PDL: on Hopper and later a kernel may start while the one before it drains. The weight-streaming
+PDL: on Hopper and later a kernel may start while the one before it drains (at one row of x). The weight-streaming
 kernels ask the L2 for the first words of their weights (`prefetch_l2`; the weights never depend on
 the previous kernel), then wait for it (`gdc_wait`) before they load anything it may have written,
 so the previous kernel's tail overlaps this one's DRAM reads. `PDL_L2_PREFETCH_BYTES` is that
@@ -30,6 +30,9 @@ MAX_DECODE_ROWS = 16  # rows of x the decode kernels (SpMV, mma.sp, the SpMM's t
 # The PDL L2 prefetch's budget over a grid (0: plain launches). Without the prefetch, PDL alone
 # gained nothing end to end: the weights' reads only restarted after x arrived (docs/KERNELS.md).
 PDL_L2_PREFETCH_BYTES = 16 << 20
+# Rows of x up to which the kernels launch programmatically. Above one row a product is no longer
+# bound by its weight stream, and a grid that starts early only holds SMs the draining one needs.
+PDL_MAX_ROWS = 1
 
 
 @triton.jit
@@ -128,10 +131,12 @@ def store_or_reduce(acc, y_ptr, workspace_ptr, arrivals_ptr, counter, offsets, o
         tl.store(y_ptr + offsets, total.to(y_ptr.dtype.element_ty), mask=ok)
 
 
-def programmatic_launch(device: torch.device) -> bool:
-    """Whether kernels on `device` launch as programmatic dependent launches with the L2 prefetch
-    (PDL_L2_PREFETCH_BYTES on, a Hopper or later GPU, not the interpreter)."""
-    return PDL_L2_PREFETCH_BYTES > 0 and device.type == "cuda" and not INTERPRETING and hopper_or_later(device.index)
+def programmatic_launch(device: torch.device, rows: int) -> bool:
+    """Whether a kernel on `device` over `rows` rows of x launches as a programmatic dependent launch
+    with the L2 prefetch (PDL_L2_PREFETCH_BYTES on, at most PDL_MAX_ROWS rows, a Hopper or later GPU,
+    not the interpreter)."""
+    return (PDL_L2_PREFETCH_BYTES > 0 and rows <= PDL_MAX_ROWS and device.type == "cuda" and not INTERPRETING
+            and hopper_or_later(device.index))
 
 
 @functools.lru_cache(maxsize=None)

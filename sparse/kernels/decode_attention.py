@@ -327,7 +327,7 @@ def _attend(q: Tensor, new_k: Tensor, new_v: Tensor, k_cache: Tensor, v_cache: T
     out = torch.empty(batch, n_heads, head_dim, dtype=q.dtype, device=q.device)
     arrivals = reserve_arrival_counters(q.device, batch * n_kv_heads)
     merge_heads, split_tile, merge_chunk = merge_tiling(group_size, splits)
-    pdl = programmatic_launch(q.device)
+    pdl = programmatic_launch(q.device, batch)
     # the K and V of one slot of every program's split, at most what the PDL L2 budget covers
     prefetch_slots = min(slots_per_split, common.PDL_L2_PREFETCH_BYTES // (
         batch * n_kv_heads * splits * 2 * head_dim * k_cache.element_size())) if pdl else 0

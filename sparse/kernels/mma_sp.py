@@ -500,7 +500,7 @@ def _launch(x, values, mask, y, config, residual=None, norm_weight=None, norm_ep
         raise ValueError(f"spmv_2of4: config {config} does not cover {n_words} words with 1 to words-per-warp "
                          "words ahead")
     programs = triton.cdiv(n_rows, 16 * tiles)
-    pdl = programmatic_launch(x.device)
+    pdl = programmatic_launch(x.device, batch)
     # a word of every warp: 16 rows a tile, each 16 kept bf16 values and a mask word
     l2_words = l2_prefetch_words(programs * slices * tiles * 16 * 36, words_per_warp) if pdl else 0
     mma_sp_kernel.run(  # kernel[grid](...), or only its compile (Triton's warmup)

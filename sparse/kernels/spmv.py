@@ -413,7 +413,7 @@ def spmv(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, config=None,
     workspace, arrivals = split_k_workspace(x.device, batch * n_rows + row_blocks * triton.next_power_of_2(batch),
                                             row_blocks)
     y = torch.empty(batch, n_rows, dtype=x.dtype, device=x.device) if out is None else out
-    pdl = programmatic_launch(x.device)
+    pdl = programmatic_launch(x.device, batch)
     # a word of every warp: 32 rows each, their kept values and mask word
     l2_words = l2_prefetch_words(row_blocks * split * slices * 32 * (nnz * values.element_size() + 4),
                                  words_per_warp) if pdl else 0
