@@ -35,17 +35,32 @@ def encode_prompt(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text, bos=True)
 
 
+# Padded prompt tokens one batch may prefill: the CPU's attention holds rows x heads x T x T scores,
+# so one long prompt (MBPP has one of 3753 tokens) must not set the width of a whole batch.
+PREFILL_TOKEN_BUDGET = 16384
+
+
+def length_batches(lengths: list[int], batch_size: int, token_budget: int = PREFILL_TOKEN_BUDGET) -> list[list[int]]:
+    """Prompt indices in batches of similar lengths, shortest first: at most batch_size rows and, past
+    the first row, at most token_budget padded tokens (rows x the batch's longest prompt)."""
+    batches, current = [], []
+    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        if current and (len(current) == batch_size or (len(current) + 1) * lengths[i] > token_budget):
+            batches.append(current)
+            current = []
+        current.append(i)
+    return batches + [current] if current else batches
+
+
 def greedy_token_ids(model: Transformer, prompt_ids: list[list[int]], max_new_tokens: int, eos_ids=(),
                      batch_size: int = 8, progress: bool = True) -> list[list[int]]:
     """Greedy generated ids (prompt excluded, cut after the first EOS) for each prompt, in the
-    prompts' order. Batches are made of prompts of similar lengths: a batch is left-padded to its
-    longest prompt, and the padding costs as much to prefill as real tokens."""
+    prompts' order. Batches are made of prompts of similar lengths (length_batches): a batch is
+    left-padded to its longest prompt, and the padding costs as much to prefill as real tokens."""
     import generate
 
-    by_length = sorted(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
     out = [None] * len(prompt_ids)
-    for start in range(0, len(by_length), batch_size):
-        rows = by_length[start:start + batch_size]
+    for rows in length_batches([len(p) for p in prompt_ids], batch_size):
         batch = [torch.tensor(prompt_ids[i], dtype=torch.long) for i in rows]
         result = generate.generate(model, batch, max_new_tokens, temperature=0.0, eos_ids=eos_ids, progress=progress)
         for i, new in zip(rows, result.new_tokens):
