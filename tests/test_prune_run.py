@@ -441,6 +441,32 @@ def test_cli_cross_model_decode_calibration(calib, counted, checkpoints_with_tok
     assert calibration.get("first_position_counted", False) == (calib == "decode_first")
 
 
+def test_cli_same_seed_gives_the_same_checkpoint_and_another_seed_another(checkpoints_with_tokenizer, tmp_path):
+    """Sampled decode-aware calibration is reproducible from --seed: two runs write identical weights."""
+    # Untied: a tied random model repeats its input token whatever the seed, so seeds could not differ.
+    config = ModelArgs(block_size=256, vocab_size=512, n_layer=2, n_head=4, n_local_heads=2, dim=64,
+                       intermediate_size=96, tie_embeddings=False)
+    torch.manual_seed(0)
+    target = tmp_path / "untied" / "model.pth"
+    target.parent.mkdir()
+    save_checkpoint(target, Transformer(config).state_dict(), config,
+                    {"tokenizer_dir": str(checkpoints_with_tokenizer[0].parent.parent)})
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Once upon a time\nThe cat sat\n")
+
+    def pruned_weights(seed, run):
+        out = tmp_path / f"pruned-seed{seed}-run{run}.pth"
+        main(["--checkpoint", str(target), "--method", "sparsegpt", "--pattern", "2:4", "--calib", "decode",
+              "--prompts", str(prompts), "--tokens", "40", "--max_new_tokens", "12", "--batch_size", "2",
+              "--seed", str(seed), "--device", "cpu", "--out", str(out)])
+        return load_checkpoint(out)[0]
+
+    first, again, other = pruned_weights(0, 1), pruned_weights(0, 2), pruned_weights(1, 1)
+    assert first.keys() == again.keys()
+    assert all(torch.equal(first[name], again[name]) for name in first)
+    assert any(not torch.equal(first[name], other[name]) for name in first if name.startswith("layers."))
+
+
 def test_cli_reference_calibration_reads_prompts_with_their_answers(checkpoints_with_tokenizer, tmp_path):
     target, _ = checkpoints_with_tokenizer
     prompts = tmp_path / "prompts.jsonl"
