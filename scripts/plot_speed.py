@@ -9,7 +9,8 @@ date in the name), three figures:
   (1.6x the fastest dense for Llama-3.1-8B at batch 1, 95 % of the bound for the Qwen3 models).
   Input: scripts/bench_decode.py's bench_decode.json, any number of them.
 - kernel: one panel per batch size, each shape's speedup over cuBLAS with issue 3's goal line.
-  Input: scripts/bench_kernel.py's --out-json.
+  Input: scripts/bench_kernel.py's --out-json files; a shape and batch in a later file replaces the
+  earlier file's row (a re-measured batch size keeps the other batch sizes of an older run).
 - dense spread: our dense engine's step time in every fresh process, in named groups, against
   issue 2's 80 %-of-copy line. Input: --spread 'GROUP=FILE,FILE...' (bench_decode.json files; their
   dense rows of our engine at batch 1; gpu_benchmarks.sh dense_spread writes three).
@@ -118,9 +119,18 @@ def plot_decode(paths, out: Path, label: str) -> Path:
     return save(fig, out / "decode_speed.png", f"Decode speed, one dot per fresh process ({label})")
 
 
-def plot_kernel(path_in, out: Path, label: str) -> Path:
+def kernel_rows(paths) -> list:
+    """The rows of bench_kernel.py's JSON files, one per model, layer and batch; the last file's wins."""
+    rows = {}
+    for path in paths:
+        for row in json.loads(Path(path).read_text()):
+            rows[row["model"], row["layer"], row["batch"]] = row
+    return list(rows.values())
+
+
+def plot_kernel(paths, out: Path, label: str) -> Path:
     plt = pyplot()
-    rows = json.loads(Path(path_in).read_text())
+    rows = kernel_rows(paths)
     batches = sorted({r["batch"] for r in rows})
     fig, axes = plt.subplots(len(batches), 1, figsize=(10, 2.2 * len(batches) + 1), squeeze=False, sharex=True)
     for ax, batch in zip(axes[:, 0], batches):
@@ -183,14 +193,15 @@ def plot_spread(specs, out: Path, label: str) -> Path:
 def main():
     p = cli_args.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--decode", nargs="*", default=[], help="bench_decode.json files")
-    p.add_argument("--kernel", help="bench_kernel.py --out-json file")
+    p.add_argument("--kernel", nargs="*", default=[],
+                   help="bench_kernel.py --out-json files, oldest first (a later file's rows replace the same shape and batch)")
     p.add_argument("--spread", nargs="*", default=[], metavar="GROUP=FILE,FILE...",
                    help="groups of bench_decode.json files: our dense step in each process, side by side")
     p.add_argument("--label", required=True, help="where and when it was measured, for the titles")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
     spread_files = [f for spec in args.spread for f in spec.partition("=")[2].split(",") if f]
-    missing = [f for f in [*args.decode, args.kernel, *spread_files] if f and not Path(f).is_file()]
+    missing = [f for f in [*args.decode, *args.kernel, *spread_files] if f and not Path(f).is_file()]
     if missing:
         sys.exit(f"plot_speed: no such file: {', '.join(missing)}")
     args.out.mkdir(parents=True, exist_ok=True)

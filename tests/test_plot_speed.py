@@ -68,6 +68,16 @@ def test_both_figures_are_written(decode_files, tmp_path):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_later_kernel_table_replaces_the_rows_it_re_measures(tmp_path):
+    old, new = tmp_path / "old.json", tmp_path / "new.json"
+    old.write_text(json.dumps([dict(model="M", layer=layer, batch=batch, speedup=1.0)
+                               for batch in (1, 4) for layer in ("qkv", "o")]))
+    new.write_text(json.dumps([dict(model="M", layer="o", batch=4, speedup=1.5)]))
+    rows = plot_speed.kernel_rows([old, new])
+    assert [(r["layer"], r["batch"], r["speedup"]) for r in rows] == [
+        ("qkv", 1, 1.0), ("o", 1, 1.0), ("qkv", 4, 1.0), ("o", 4, 1.5)]
+
+
 def test_the_spread_groups_hold_our_dense_processes_at_batch_1(decode_files, tmp_path):
     other = decode_file(tmp_path, "c.json", [row("Llama-3.1-8B", "dense", 230.0), row("Llama-3.1-8B", "dense", 150.0,
                                                                                      batch=4)])
