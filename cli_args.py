@@ -86,7 +86,6 @@ def _checked(kind, ok, requirement):
 positive_int = _checked(int, lambda v: v >= 1, "a positive integer")
 positive_float = _checked(float, lambda v: v > 0, "> 0")
 non_negative_int = _checked(int, lambda v: v >= 0, "0 or more")
-non_negative_float = _checked(float, lambda v: v >= 0, "0 or more")
 # 0 is greedy; a negative temperature would sample the least likely tokens.
 temperature = _checked(float, lambda v: v >= 0, ">= 0 (0 = greedy)")
 # Nucleus mass: at 0 nothing would be kept.

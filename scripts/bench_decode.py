@@ -52,7 +52,6 @@ import tp  # noqa: E402
 from scripts.kernel_profile import profile_steps  # noqa: E402
 from checkpoint import atomic_write  # noqa: E402
 from model import ModelArgs, Transformer  # noqa: E402
-from sparse.kernels import common  # noqa: E402
 
 GPTFAST_NAMES = {"Llama-3.1-8B": "llama-3.1-8b", "Meta-Llama-3-8B": "llama-3-8b"}  # shapes GPT-Fast knows
 
@@ -189,7 +188,6 @@ def bench_model_in_child(name: str, sparse_patterns: list, remaining, args, rows
         command += ["--top_k", "off" if args.top_k is None else str(args.top_k)]
         command += ["--top_p", str(args.top_p)] if args.top_p is not None else []
         command += ["--profile"] if args.profile else []
-        command += ["--pdl_l2_mb", str(args.pdl_l2_mb)] if args.pdl_l2_mb is not None else []
         done = subprocess.run(command, stdin=subprocess.DEVNULL)  # its output goes straight to ours
         child_rows = json.loads(rows_file.read_text()) if rows_file.exists() else []
     rows += child_rows
@@ -292,8 +290,7 @@ def environment() -> dict:
     import triton
 
     return dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), gpu=torch.cuda.get_device_name(),
-                gpus=tp.world_size(), torch=torch.__version__, triton=triton.__version__, command=" ".join(sys.argv),
-                pdl_l2_prefetch_mb=common.PDL_L2_PREFETCH_BYTES / 2 ** 20)
+                gpus=tp.world_size(), torch=torch.__version__, triton=triton.__version__, command=" ".join(sys.argv))
 
 
 def parse_args(argv=None):
@@ -316,9 +313,6 @@ def parse_args(argv=None):
     p.add_argument("--deadline_s", type=float, default=float("inf"), help="start nothing new after this long")
     p.add_argument("--profile", action="store_true",
                    help="after timing, profile one more call: kernel time per decode step into OUT/profile_*.txt")
-    p.add_argument("--pdl_l2_mb", type=cli_args.non_negative_float, default=None,
-                   help="the kernels' programmatic-launch L2 prefetch budget, MB (0: plain launches; "
-                        "default: sparse/kernels/common.py's)")
     p.add_argument("--same_process", action="store_true",
                    help="run our dense and sparse models in this process (default: a fresh process each)")
     p.add_argument("--rows_out", type=Path, help=argparse.SUPPRESS)  # a child's rows, for its parent
@@ -344,8 +338,6 @@ def check_configurations(args):
 def main(argv=None):
     args = parse_args(argv)
     check_configurations(args)
-    if args.pdl_l2_mb is not None:  # before any model exists: every kernel of this process uses it
-        common.PDL_L2_PREFETCH_BYTES = int(args.pdl_l2_mb * 2 ** 20)
     if not torch.cuda.is_available():
         sys.exit("error: bench_decode.py needs a CUDA GPU")
     torch._dynamo.config.cache_size_limit = 64  # one compiled step per (model, batch size)

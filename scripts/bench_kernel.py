@@ -20,7 +20,7 @@ in the table each timed kernel's tuned launch against float64 (`check_against_fl
 
     python scripts/bench_kernel.py --out-md docs/kernel_table.md --out-json runs/bench_kernel.json
     python scripts/bench_kernel.py --sweep   # config sweep on a few shapes (what the autotuner picks from)
-    python scripts/bench_kernel.py --chain Llama-3.1-8B   # a decode step's 128 SpMVs back to back, with and without PDL
+    python scripts/bench_kernel.py --chain Llama-3.1-8B   # a decode step's 128 SpMVs back to back
     python scripts/bench_kernel.py --pack-x Llama-3.1-8B --batches 2,4,8,16   # x shuffled per row vs in bf16 pairs
     python scripts/bench_kernel.py --unpack-sweep all   # the prefill's expansion kernel, config by config
     python scripts/bench_kernel.py --ncu-shapes 4096x4096   # targets for Nsight Compute (see ncu_targets)
@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import cli_args  # noqa: E402
 from sparse import linear  # noqa: E402
 from sparse.format import pack, parse_pattern, unpack  # noqa: E402
-from sparse.kernels import common, mma_sp, spmm, spmv  # noqa: E402
+from sparse.kernels import mma_sp, spmm, spmv  # noqa: E402
 from sparse.kernels.tuning import copies_for, time_in_cuda_graph  # noqa: E402
 from sparse.kernels.unpack import unpack_to_dense  # noqa: E402
 from sparse.linear import spmm_min_rows  # noqa: E402
@@ -130,15 +130,12 @@ def unfused_sparse_call(layer: str, batch: int, values, mask, pack_x=None):
     return lambda: spmv.spmv(prologue(), values, mask, residual=residual, pack_x=pack_x)
 
 
-def decode_chain(model: str, pattern: str = "2:4", layers: int = 32, distinct: int = 8,
-                 pdl_l2_mb=(common.PDL_L2_PREFETCH_BYTES / 2 ** 20, 0)) -> list:
+def decode_chain(model: str, pattern: str = "2:4", layers: int = 32, distinct: int = 8) -> dict:
     """The SpMV part of a batch-1 decode step: `layers` layers of qkv (norm) -> o (residual) -> w13
     (norm) -> w2 (gated + residual), each reading the output of the one before, with a small copy
-    kernel between qkv and o where attention would be; microseconds per step, measured twice, for
-    each L2 prefetch budget of the SpMV's programmatic dependent launch in `pdl_l2_mb` (MB; 0:
-    plain launches; common.PDL_L2_PREFETCH_BYTES), one row each. `distinct` different layers'
-    weights are cycled (enough to miss the L2). Compare with the SpMV's share of a profiled decode
-    step (bench_decode.py --profile)."""
+    kernel between qkv and o where attention would be; microseconds per step, measured twice.
+    `distinct` different layers' weights are cycled (enough to miss the L2). Compare with the SpMV's
+    share of a profiled decode step (bench_decode.py --profile)."""
     shapes = {layer: (out_features, in_features) for layer, out_features, in_features in SHAPES[model]}
     dim = shapes["o"][0]
     weights = [{layer: pack(random_weight(*shapes[layer]), pattern) for layer in shapes} for _ in range(distinct)]
@@ -157,12 +154,7 @@ def decode_chain(model: str, pattern: str = "2:4", layers: int = 32, distinct: i
             h = spmv.spmv(gate_up, *w["w2"], gated=True, residual=h)
         return h
 
-    rows = []
-    for megabytes in pdl_l2_mb:  # the same configs (tuned at the first), each prefetch budget in turn
-        with common.pdl_l2_prefetch(megabytes * 2 ** 20):
-            rows.append(dict(model=model, layers=layers, pdl_l2_mb=megabytes,
-                             step_us=[time_in_cuda_graph([step], replays=21) for _ in range(2)]))
-    return rows
+    return dict(model=model, layers=layers, step_us=[time_in_cuda_graph([step], replays=21) for _ in range(2)])
 
 
 def pack_x_ab(models, batches) -> list:
@@ -491,8 +483,6 @@ def main():
                    help="--out-json of an --ncu-shapes run outside ncu: launch its tuned configs, no tuning")
     p.add_argument("--unpack-sweep", help="OUTxIN,... or 'all': time the prefill's expansion kernels and configs")
     p.add_argument("--chain", help="MODEL,...: time the SpMV chain of a decode step (decode_chain) instead")
-    p.add_argument("--pdl-l2-mb", default=f"{common.PDL_L2_PREFETCH_BYTES / 2 ** 20:g},0",
-                   help="with --chain: the SpMV's PDL L2 prefetch budgets to time, MB (0: plain launches)")
     p.add_argument("--pack-x", help="MODEL,...: x one row per register against bf16 pairs (pack_x_ab), at --batches")
     p.add_argument("--out-md", type=Path)
     p.add_argument("--out-json", type=Path)
@@ -526,10 +516,9 @@ def main():
         print(pack_x_summary(rows))
         return
     if args.chain:
-        rows = [row for model in args.chain.split(",")
-                for row in decode_chain(model, pdl_l2_mb=[float(mb) for mb in args.pdl_l2_mb.split(",")])]
+        rows = [decode_chain(model) for model in args.chain.split(",")]
         for row in rows:
-            print(f"{row['model']}: {row['layers']} layers of SpMVs, PDL L2 prefetch {row['pdl_l2_mb']:g} MB, µs a step: "
+            print(f"{row['model']}: {row['layers']} layers of SpMVs, µs a step: "
                   f"{', '.join(f'{t:.1f}' for t in row['step_us'])}")
         if args.out_json:
             args.out_json.write_text(json.dumps(rows, indent=1))

@@ -2,7 +2,7 @@
 
 Triton compiles to PTX for a target without a device, and its wheel ships ptxas and cuobjdump, so
 the kernels' tests check properties of their SASS (spills, vectorized loads, instructions per kept
-weight, the PDL contract) without a GPU. `Sm90StandIn` answers the JIT's driver questions for an
+weight) without a GPU. `Sm90StandIn` answers the JIT's driver questions for an
 sm_90 GPU, so that launchers' compile_only calls compile real cubins on the CPU too.
 """
 import re
@@ -76,17 +76,6 @@ def innermost_loop(sass: str, marker: str = "SHFL"):
     return min(loops_with(sass, marker), key=len, default=[])
 
 
-def pdl_opcodes(sass: str, case, reads=("LDG", "ATOM", "RED")) -> list:
-    """The opcodes of a programmatic dependent launch's SASS, after checking its contract: the L2
-    prefetch (CCTL.E.PF2) before the wait (ACQBULK), no `reads` before it, and the next launch let
-    start (PREEXIT) only after it."""
-    ops = opcodes(sass)
-    wait = ops.index("ACQBULK")
-    assert "CCTL.E.PF2" in sass.split("ACQBULK")[0] and ops.index("PREEXIT") > wait, case
-    assert not [op for op in ops[:wait] if op.startswith(reads)], case
-    return ops
-
-
 def load_use_distances(loop, marker: str, load_kind: str = ""):
     """For each global load of a loop ((opcode, line) in program order, run again and again) whose
     opcode holds `load_kind`, how many `marker` instructions issue between it and the first
@@ -115,7 +104,7 @@ def load_use_distances(loop, marker: str, load_kind: str = ""):
 
 
 def spmv_kernel(batch: int, slices: int, prefetch: int, nnz_per_word: int = 16, dtype: str = "bf16",
-                even_k: bool = True, variant: str = "plain", packed_x: bool = False, pdl: bool = False) -> dict:
+                even_k: bool = True, variant: str = "plain", packed_x: bool = False) -> dict:
     """The SpMV's kernel for sm_90a, and counts of its word loop (one mask word of one row per
     thread: per kept weight = loop / nnz_per_word). variant: "plain", "norm" (the RMSNorm prologue)
     or "gated" (silu(gate) * up and the residual); packed_x: two rows of x to a register."""
@@ -124,7 +113,7 @@ def spmv_kernel(batch: int, slices: int, prefetch: int, nnz_per_word: int = 16, 
              "norm_eps": "fp32"}
     constants = dict(NNZ=nnz_per_word, CHUNK=min(8, nnz_per_word), BATCH=batch, SLICES=slices, PREFETCH=prefetch,
                      EVEN_K=even_k, NORM=variant == "norm", RESIDUAL=variant == "gated", GATED=variant == "gated",
-                     PACKED_X=packed_x, PDL=pdl, INTERPRETER_SAFE=False)
+                     PACKED_X=packed_x, INTERPRETER_SAFE=False)
     sass, registers, spill_bytes, _ = compile_for_sm90a(spmv.spmv_kernel, types, constants, slices)
     loop = [op.split(".")[0] for op, _ in innermost_loop(sass)]
     return dict(registers=registers, spill_bytes=spill_bytes, loop=len(loop), ffma=loop.count("FFMA"),
@@ -149,7 +138,7 @@ def spmm_kernel(two_of_four: bool, block_out: int = 128, words: int = 2, num_war
 
 
 def mma_sp_kernel(batch: int, slices: int = 4, unroll: int = 2, tiles: int = 1, ahead: int = 1, norm: bool = False,
-                  gated: bool = False, pdl: bool = False) -> dict:
+                  gated: bool = False) -> dict:
     """The sparse tensor cores' kernel for sm_90a (bf16 x of `batch` rows): registers, spills, the
     word loop's instructions per word and per kept weight (16 rows x 16 kept values a tile), the
     loads a word, the barriers, and how many words after its load each streamed weight load
@@ -157,7 +146,7 @@ def mma_sp_kernel(batch: int, slices: int = 4, unroll: int = 2, tiles: int = 1, 
     pointers = dict(x_ptr="*bf16", values_ptr="*bf16", mask_ptr="*i32", y_ptr="*bf16", residual_ptr="*bf16",
                     norm_ptr="*bf16")
     constants = dict(SLICES=slices, M_TILES=tiles, N_BLOCKS=triton.cdiv(batch, 8), EVEN_K=True, UNROLL=unroll,
-                     PREFETCH=ahead, NORM=norm, GATED=gated, RESIDUAL=False, PDL=pdl, INTERPRETER_SAFE=False)
+                     PREFETCH=ahead, NORM=norm, GATED=gated, RESIDUAL=False, INTERPRETER_SAFE=False)
     sass, registers, spill_bytes, shared = compile_for_sm90a(mma_sp.mma_sp_kernel, {**pointers, "norm_eps": "fp32"},
                                                              constants, slices,
                                                              divisible_by_16=[*pointers, "n_rows", "n_words"])
@@ -174,7 +163,7 @@ def mma_sp_kernel(batch: int, slices: int = 4, unroll: int = 2, tiles: int = 1, 
 
 
 def partial_attention_kernel(group_size: int = 4, head_dim: int = 128, splits: int = 32, stages: int = 1,
-                             qk_norm: bool = False, pdl: bool = False) -> dict:
+                             qk_norm: bool = False) -> dict:
     """The decode attention's kernel for sm_90a (bf16, Llama-3.1-8B's GQA group of 4 by default),
     its block loop plain or software-pipelined over `stages`: registers, spills, shared memory, the
     slot loop's instructions and its asynchronous copies (LDGSTS)."""
@@ -183,7 +172,7 @@ def partial_attention_kernel(group_size: int = 4, head_dim: int = 128, splits: i
                  write_slot_ptr="*i64", out_ptr="*bf16", arrivals_ptr="*i32", scale="fp32", q_norm_ptr="*bf16",
                  k_norm_ptr="*bf16", norm_eps="fp32")
     constants = dict(GROUP_SIZE=group_size, GROUP=max(16, triton.next_power_of_2(group_size)), HEAD_DIM=head_dim,
-                     BLOCK=decode_attention.BLOCK_SLOTS, QK_NORM=qk_norm, STAGES=stages, IEEE=False, PDL=pdl,
+                     BLOCK=decode_attention.BLOCK_SLOTS, QK_NORM=qk_norm, STAGES=stages, IEEE=False,
                      INTERPRETER_SAFE=False)
     constants.update(zip(("MERGE_HEADS", "SPLITS", "MERGE_CHUNK"), decode_attention.merge_tiling(group_size, splits)))
     kernel = decode_attention.partial_attention_kernel

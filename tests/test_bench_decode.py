@@ -58,12 +58,11 @@ def test_the_child_forwards_every_protocol_flag(monkeypatch, tmp_path):
     children = FakeChildren({"dense": 0.004})
     monkeypatch.setattr(bench_decode.subprocess, "run", children)
     args = parsed("--patterns", "dense", "--prompt_length", "64", "--new_tokens", "120", "--warmup_steps", "10",
-                  "--temperature", "0.7", "--top_k", "20", "--top_p", "0.8", "--profile", "--pdl_l2_mb", "0",
-                  "--out", str(tmp_path))
+                  "--temperature", "0.7", "--top_k", "20", "--top_p", "0.8", "--profile", "--out", str(tmp_path))
     bench_decode.bench(args, [])
     child_args = bench_decode.parse_args(children.commands[0][2:])
     for name in ("patterns", "batch_sizes", "prompt_length", "new_tokens", "warmup_steps", "temperature", "top_k",
-                 "top_p", "profile", "pdl_l2_mb", "copy_bandwidth", "out"):
+                 "top_p", "profile", "copy_bandwidth", "out"):
         assert getattr(child_args, name) == getattr(args, name), name
 
 

@@ -191,18 +191,6 @@ machine_code = pytest.mark.skipif(common.INTERPRETING, reason="compiles for sm_9
 
 
 @machine_code
-def test_decode_attention_with_pdl_reads_nothing_before_its_wait():
-    # Launched as a programmatic dependent launch after q, k, v's projection, the attention may
-    # prefetch its split's cache into the L2 before the wait (a hint), but reads (or writes) q, the
-    # new k and v, the window and the cache only after it; then it lets the o projection's kernel
-    # start (PREEXIT), which prefetches its weights while the attention runs.
-    for stages in (1, 2):
-        code = sass.partial_attention_kernel(stages=stages, pdl=True)["sass"]
-        sass.pdl_opcodes(code, stages, reads=("LDG", "ATOM", "RED", "STG"))
-    assert "ACQBULK" not in sass.partial_attention_kernel()["sass"]
-
-
-@machine_code
 def test_attention_fits_two_programs_an_sm_without_spills():
     for qk_norm in (False, True):
         report = sass.partial_attention_kernel(stages=2, qk_norm=qk_norm)

@@ -236,13 +236,3 @@ def test_sparse_tensor_core_product_keeps_its_words_ahead_in_flight():
         assert report["spill_bytes"] == 0, (batch, tiles)
         assert report["words_to_first_use"][0] >= 3.5, (batch, tiles, report["words_to_first_use"])
     assert sass.mma_sp_kernel(1, slices=4, unroll=4)["words_to_first_use"][0] == 0
-
-
-@machine_code
-def test_tensor_core_product_with_pdl_reads_nothing_before_its_wait():
-    # The PDL contract (tests/sass.py: pdl_opcodes) for the tensor cores' product, whose words-ahead
-    # ring must stay as it was.
-    for batch, tiles, norm in ((1, 1, False), (1, 1, True), (8, 2, False)):
-        report = sass.mma_sp_kernel(batch, slices=4, unroll=4, tiles=tiles, ahead=4, norm=norm, pdl=True)
-        sass.pdl_opcodes(report["sass"], (batch, tiles, norm))
-        assert report["spill_bytes"] == 0 and report["words_to_first_use"][0] >= 3.5, (batch, tiles, norm)

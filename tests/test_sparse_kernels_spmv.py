@@ -204,15 +204,11 @@ def test_gpu_spmv_fused_prologue_and_residual(fusion, out_features, in_features)
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("l2_megabytes", [16, 0.01])  # the default budget; one that prefetches nothing
-def test_gpu_spmv_chain_with_pdl_in_a_cuda_graph(l2_megabytes, monkeypatch):
-    """Each SpMV reads the one before's output (x, and the residual) while launched to overlap it
-    (programmatic dependent launch): its wait must come before those reads and before the split-K
-    workspace, which consecutive calls share. Links 3 and 6 are the sparse tensor cores' product
-    (sparse/kernels/mma_sp.py, launched the same way). Link by link against float64, over two graph
-    replays with new inputs, so that a read of the last replay's x would show."""
-    assert common.programmatic_launch(torch.device("cuda"), 1) == common.hopper_or_later(torch.cuda.current_device())
-    monkeypatch.setattr(common, "PDL_L2_PREFETCH_BYTES", int(l2_megabytes * 2 ** 20))
+def test_gpu_spmv_chain_in_a_cuda_graph():
+    """Each SpMV reads the one before's output (x, and the residual) inside one CUDA graph, and
+    consecutive calls share the split-K workspace, which each must leave zeroed. Links 3 and 6 are
+    the sparse tensor cores' product (sparse/kernels/mma_sp.py). Link by link against float64, over
+    two graph replays with new inputs, so that a read of the last replay's x would show."""
     n = 4096
     layers = [random_packed(n, n, "2:4", 20 + i, device="cuda", dtype=torch.bfloat16) for i in range(6)]
     configs = [(2, 4, 2), (16, 8, 1), (4, 32, 4, 1, 4), (32, 4, 2), (4, 8, 1), (8, 16, 2, 2, 2)]  # split K or not
@@ -288,21 +284,6 @@ def test_packed_x_halves_the_shuffles():
         report = sass.spmv_kernel(batch=8, slices=4, prefetch=1, packed_x=packed_x)
         assert report["spill_bytes"] == 0 and report["shared"] == 0, packed_x
         assert report["shfl"] == shuffles and report["ffma"] == 128 and report["flo"] == 16, packed_x
-
-
-@machine_code
-def test_spmv_with_pdl_reads_nothing_before_its_wait():
-    # Launched as a programmatic dependent launch, the SpMV runs while the previous kernel drains:
-    # it may prefetch its weights into the L2 (CCTL.E.PF2) before the wait (ACQBULK), but every
-    # load (x, the norm weight, the residual, the weights themselves) and atomic (the split-K
-    # workspace) must follow it, and the next launch is let start (PREEXIT) only after it. x's
-    # loads are pure inline PTX, which the compiler may move: checked on every variant.
-    for batch, variant, packed_x in ((1, "plain", False), (1, "norm", False), (1, "gated", False),
-                                     (4, "plain", True), (8, "gated", True)):
-        code = sass.spmv_kernel(batch=batch, slices=8, prefetch=2, variant=variant, packed_x=packed_x, pdl=True)
-        assert sass.pdl_opcodes(code["sass"], (batch, variant)).count("ACQBULK") == 1, (batch, variant)
-    plain = sass.spmv_kernel(batch=1, slices=8, prefetch=2)["sass"]
-    assert "ACQBULK" not in plain and "CCTL.E.PF2" not in plain
 
 
 @machine_code

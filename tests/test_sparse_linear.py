@@ -381,7 +381,7 @@ def test_gpu_sparse_decode_step_with_the_default_fusions_matches_float64(rows, q
     """A whole bf16 model's decode step on the GPU with the shipped row thresholds: at 1 row the
     SpMVs take norm, silu * up and residual; at 4 the prologues run apart; at 8 the residuals too.
     Eagerly, then compiled into CUDA graphs as generate.py runs it (its warm-up, recording and
-    replays): the kernels' programmatic dependent launches (on Hopper) captured with their edges.
+    replays).
     qkv_bias: Qwen2's dense q/k/v bias, added after the packed wqkv's kernel."""
     model, reference, token = sparse_model_and_float64_reference(rows, "cuda", torch.bfloat16, qkv_bias)
     probe, x = model.layers[0].feed_forward.w2, torch.zeros(rows, 1, 96, device="cuda", dtype=torch.bfloat16)

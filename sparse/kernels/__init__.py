@@ -7,7 +7,7 @@ candidate configs:
 - unpack.py: expansion to dense (the prefill: expand, then cuBLAS);
 - decode_attention.py: flash-decoding attention with RoPE, q/k norms and the KV write inside.
 
-common.py holds what they share (the interpreter switch, PDL, the split-K workspace, small
+common.py holds what they share (the interpreter switch, the split-K workspace, small
 @triton.jit helpers); tuning.py times and races configs. Which kernel runs for which rows and
 shape is sparse/linear.py's route table.
 """

@@ -1,24 +1,15 @@
-"""What the sparse kernels share: the interpreter switch, programmatic dependent launch (PDL) with
-its L2 prefetch, the split-K workspace, and small @triton.jit helpers that several kernels inline.
+"""What the sparse kernels share: the interpreter switch, the split-K workspace, and small
+@triton.jit helpers that several kernels inline.
 
 `INTERPRETING` is true under TRITON_INTERPRET=1. Every kernel takes it as its `INTERPRETER_SAFE`
 constexpr: the interpreter runs no inline PTX and no libdevice, so the kernels keep a plain-Triton
 path for it, and the CPU tests run the same kernel source as the GPU.
-
-PDL: on Hopper and later a kernel may start while the one before it drains (at one row of x). The weight-streaming
-kernels ask the L2 for the first words of their weights (`prefetch_l2`; the weights never depend on
-the previous kernel), then wait for it (`gdc_wait`) before they load anything it may have written,
-so the previous kernel's tail overlaps this one's DRAM reads. `PDL_L2_PREFETCH_BYTES` is that
-prefetch's budget over a whole grid; `pdl_l2_prefetch` changes it for a block (the benchmark's
-A/B), 0 meaning plain launches.
 
 Split K: where one program per row block would not fill the GPU, programs add fp32 partial sums
 into a shared workspace with atomics; the last of a row block to arrive takes the sum and leaves
 the workspace and its arrival counter zeroed (`sum_splits`), so one launch does the whole product
 and the workspace is clean for the next call.
 """
-import contextlib
-import functools
 import os
 
 import torch
@@ -27,12 +18,6 @@ import triton.language as tl
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_DECODE_ROWS = 16  # rows of x the decode kernels (SpMV, mma.sp, the SpMM's tile) take
-# The PDL L2 prefetch's budget over a grid (0: plain launches). Without the prefetch, PDL alone
-# gained nothing end to end: the weights' reads only restarted after x arrived (docs/KERNELS.md).
-PDL_L2_PREFETCH_BYTES = 16 << 20
-# Rows of x up to which the kernels launch programmatically. Above one row a product is no longer
-# bound by its weight stream, and a grid that starts early only holds SMs the draining one needs.
-PDL_MAX_ROWS = 1
 
 
 @triton.jit
@@ -87,13 +72,6 @@ def replace_item(items, index: tl.constexpr, item):
 
 
 @triton.jit
-def prefetch_l2(ptr):
-    """Asks the L2 for the line at each thread's ptr: a hint, no register written, no wait."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // dummy $0", "=r,l", [ptr], dtype=tl.int32, is_pure=False,
-                              pack=1)
-
-
-@triton.jit
 def popcount(bits):
     """Set bits of each uint32 (SWAR; libdevice popc does not run in the interpreter)."""
     bits = bits - ((bits >> 1) & 0x55555555)
@@ -129,39 +107,6 @@ def store_or_reduce(acc, y_ptr, workspace_ptr, arrivals_ptr, counter, offsets, o
     total, last = sum_splits(acc, workspace_ptr, arrivals_ptr, counter, offsets, ok, n_splits)
     if last:
         tl.store(y_ptr + offsets, total.to(y_ptr.dtype.element_ty), mask=ok)
-
-
-def programmatic_launch(device: torch.device, rows: int) -> bool:
-    """Whether a kernel on `device` over `rows` rows of x launches as a programmatic dependent launch
-    with the L2 prefetch (PDL_L2_PREFETCH_BYTES on, at most PDL_MAX_ROWS rows, a Hopper or later GPU,
-    not the interpreter)."""
-    return (PDL_L2_PREFETCH_BYTES > 0 and rows <= PDL_MAX_ROWS and device.type == "cuda" and not INTERPRETING
-            and hopper_or_later(device.index))
-
-
-@functools.lru_cache(maxsize=None)
-def hopper_or_later(index: int) -> bool:
-    """griddepcontrol (PDL) is sm_90 PTX."""
-    return torch.cuda.get_device_capability(index)[0] >= 9
-
-
-def l2_prefetch_words(bytes_a_word: int, words_per_warp: int) -> int:
-    """Words each warp of a grid prefetches into the L2 before its PDL wait, where one word of
-    every warp's rows (kept values and mask words) is `bytes_a_word`: as many as
-    PDL_L2_PREFETCH_BYTES covers, at most the warp's words."""
-    return min(words_per_warp, PDL_L2_PREFETCH_BYTES // bytes_a_word)
-
-
-@contextlib.contextmanager
-def pdl_l2_prefetch(budget_bytes: int):
-    """PDL_L2_PREFETCH_BYTES set to budget_bytes inside the block (0: plain launches), restored
-    after it whatever happens: for benchmarks that time the same tuned configs both ways."""
-    global PDL_L2_PREFETCH_BYTES
-    saved, PDL_L2_PREFETCH_BYTES = PDL_L2_PREFETCH_BYTES, int(budget_bytes)
-    try:
-        yield
-    finally:
-        PDL_L2_PREFETCH_BYTES = saved
 
 
 # Split-K partial sums and per-row-block arrival counters, one pair per device, grown on demand.

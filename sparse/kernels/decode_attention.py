@@ -37,10 +37,8 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from sparse.kernels import common
-from sparse.kernels.common import INTERPRETING, prefetch_l2, programmatic_launch
+from sparse.kernels.common import INTERPRETING
 
 PROGRAMS_TARGET = 264  # programs to aim for: two per SM of an H200 (132 SMs)
 # Slots a block: 64 measured faster than 32 at every batch and cache length timed; where the cache
@@ -116,13 +114,12 @@ def _attend_block(q, k_ptr, v_ptr, offsets, keep, max_score, total, acc, scale, 
 @triton.jit
 def partial_attention_kernel(q_ptr, k_ptr, v_ptr, acc_ptr, stats_ptr, out_ptr, arrivals_ptr, new_k_ptr, new_v_ptr,
                              cos_ptr, sin_ptr, left_pad_ptr, write_slot_ptr, q_norm_ptr, k_norm_ptr, norm_eps,
-                             n_kv_heads, n_slots, slots_per_split, prefetch_slots, scale, q_stride_b, q_stride_h,
+                             n_kv_heads, n_slots, slots_per_split, scale, q_stride_b, q_stride_h,
                              kv_stride_b, kv_stride_h, kv_stride_s, new_k_stride_b, new_k_stride_h, new_v_stride_b,
                              new_v_stride_h, rope_stride_s, GROUP_SIZE: tl.constexpr, GROUP: tl.constexpr,
                              HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, QK_NORM: tl.constexpr,
                              MERGE_HEADS: tl.constexpr, SPLITS: tl.constexpr, MERGE_CHUNK: tl.constexpr,
-                             STAGES: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
-                             INTERPRETER_SAFE: tl.constexpr):
+                             STAGES: tl.constexpr, IEEE: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
     """Partial attention of the GROUP_SIZE query heads of one KV head over one split of the slots.
 
     Writes acc (unnormalised sum of p·V, fp32) and stats (max score, sum of exp) per query head and
@@ -133,13 +130,7 @@ def partial_attention_kernel(q_ptr, k_ptr, v_ptr, acc_ptr, stats_ptr, out_ptr, a
     holds slot *write_slot_ptr stores the new k and v there. With QK_NORM, q and the new k first go
     through RMSNorm over each head (weights q_norm_ptr, k_norm_ptr [D]), as Qwen3's do. The last of
     the row's and KV head's programs to finish merges the splits into out (arrivals_ptr: one zeroed
-    int32 per row and KV head, left zeroed).
-    PDL: launched as a programmatic dependent launch, as the sparse kernels are (common.py's
-    PDL_L2_PREFETCH_BYTES): the program may start while the kernel before it (q, k, v's projection)
-    still runs; it asks the L2 for the first prefetch_slots slots of its split's K and V (a hint:
-    every load comes after the wait, and the L2 holds any line that kernel writes meanwhile), waits
-    for that kernel, then lets the next one (the o projection's SpMV) start, which prefetches its
-    weights while this reads the cache."""
+    int32 per row and KV head, left zeroed)."""
     batch_head = tl.program_id(0)
     split = tl.program_id(1)
     b = batch_head // n_kv_heads
@@ -150,15 +141,6 @@ def partial_attention_kernel(q_ptr, k_ptr, v_ptr, acc_ptr, stats_ptr, out_ptr, a
     kv_base = b * kv_stride_b + kv_head * kv_stride_h
     first = split * slots_per_split
     last = tl.minimum(first + slots_per_split, n_slots)
-    if PDL:
-        LINES: tl.constexpr = (HEAD_DIM + 63) // 64  # one prefetch per 128 bytes of a 16-bit row
-        for start in range(first, tl.minimum(first + prefetch_slots, last), BLOCK):
-            slots = tl.minimum(start + tl.arange(0, BLOCK), n_slots - 1)
-            lines = kv_base + slots[:, None] * kv_stride_s + (tl.arange(0, LINES) * 64)[None, :]
-            prefetch_l2(k_ptr + lines)
-            prefetch_l2(v_ptr + lines)
-        gdc_wait()  # the previous kernel has finished and its writes (q, the new k and v) are visible
-        gdc_launch_dependents()
     # The kept window first_kept..last_kept is computed here rather than passed in: Inductor copied
     # a per-step mask and cos/sin rows into fresh buffers for each layer's call.
     write_slot = tl.load(write_slot_ptr)
@@ -327,19 +309,15 @@ def _attend(q: Tensor, new_k: Tensor, new_v: Tensor, k_cache: Tensor, v_cache: T
     out = torch.empty(batch, n_heads, head_dim, dtype=q.dtype, device=q.device)
     arrivals = reserve_arrival_counters(q.device, batch * n_kv_heads)
     merge_heads, split_tile, merge_chunk = merge_tiling(group_size, splits)
-    pdl = programmatic_launch(q.device, batch)
-    # the K and V of one slot of every program's split, at most what the PDL L2 budget covers
-    prefetch_slots = min(slots_per_split, common.PDL_L2_PREFETCH_BYTES // (
-        batch * n_kv_heads * splits * 2 * head_dim * k_cache.element_size())) if pdl else 0
     partial_attention_kernel[(batch * n_kv_heads, splits)](
         q, k_cache, v_cache, acc, stats, out, arrivals, new_k, new_v, rope_cos, rope_sin, left_pad, write_slot,
-        q_norm, k_norm, norm_eps, n_kv_heads, n_slots, slots_per_split, prefetch_slots, head_dim ** -0.5,
+        q_norm, k_norm, norm_eps, n_kv_heads, n_slots, slots_per_split, head_dim ** -0.5,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1), rope_cos.stride(0),
         GROUP_SIZE=group_size, GROUP=max(16, triton.next_power_of_2(group_size)), HEAD_DIM=head_dim,
         BLOCK=BLOCK_SLOTS, QK_NORM=qk_norm, MERGE_HEADS=merge_heads, SPLITS=split_tile, MERGE_CHUNK=merge_chunk,
-        STAGES=block_loop_stages(slots_per_split), IEEE=q.dtype == torch.float32, PDL=pdl,
-        INTERPRETER_SAFE=INTERPRETING, launch_pdl=pdl)
+        STAGES=block_loop_stages(slots_per_split), IEEE=q.dtype == torch.float32,
+        INTERPRETER_SAFE=INTERPRETING)
     return out
 
 

@@ -37,10 +37,8 @@ reads the fragments the same way.
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from sparse.kernels.common import (INTERPRETING, MAX_DECODE_ROWS, bf16_bits, l2_prefetch_words, load_u32, prefetch_l2,
-                                   programmatic_launch, replace_item, silu)
+from sparse.kernels.common import INTERPRETING, MAX_DECODE_ROWS, bf16_bits, load_u32, replace_item, silu
 from sparse.kernels.tuning import tuned_config
 
 MAX_ROWS = MAX_DECODE_ROWS  # two m16n8k32 instructions per tile and word
@@ -338,16 +336,13 @@ def _summed_over_slices(parts, SLICES: tl.constexpr):
 
 @triton.jit
 def mma_sp_kernel(x_ptr, values_ptr, mask_ptr, y_ptr, residual_ptr, norm_ptr, n_rows, n_words, words_per_warp,
-                  batch_rows, x_stride, norm_eps, l2_words, SLICES: tl.constexpr, M_TILES: tl.constexpr,
+                  batch_rows, x_stride, norm_eps, SLICES: tl.constexpr, M_TILES: tl.constexpr,
                   N_BLOCKS: tl.constexpr, EVEN_K: tl.constexpr, UNROLL: tl.constexpr, PREFETCH: tl.constexpr,
-                  NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr,
-                  INTERPRETER_SAFE: tl.constexpr):
+                  NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
     """y[:batch_rows, M_TILES 16-row tiles] of this program (+ the residual's, with RESIDUAL; of
     RMSNorm(x) * the norm weight, with NORM; of silu(gate) * up for x = [gate | up], with GATED);
     SLICES warps, warp s walking words_per_warp words from s · words_per_warp for every tile (x's
-    loads shared by the tiles), summed through shared memory. PDL: as the SpMV's (sparse/kernels/spmv.py:
-    a programmatic dependent launch that prefetches its warps' first l2_words words into the L2,
-    then waits for the previous kernel before its first load)."""
+    loads shared by the tiles), summed through shared memory."""
     THREADS: tl.constexpr = 32 * SLICES
     thread = tl.arange(0, THREADS)
     lane = thread % 32
@@ -377,15 +372,6 @@ def mma_sp_kernel(x_ptr, values_ptr, mask_ptr, y_ptr, residual_ptr, norm_ptr, n_
     # word ahead, a warp's time was about its words x the memory latency).
     x_stride_u32 = x_stride // 2
     SOURCES: tl.constexpr = N_BLOCKS * (1 + GATED) + NORM
-    if PDL:  # from the weight pointers of each word (the SpMV's row-by-row prefetch cost registers here)
-        for i in range(0, l2_words):
-            weights, _ = _word_pointers(values_u32, mask_u32, x_u32, norm_u32, tl.minimum(k_first + i, n_words - 1),
-                                        rows, t, x_rows, n_rows, n_words, x_stride_u32, M_TILES, N_BLOCKS, NORM,
-                                        GATED)
-            for j in tl.static_range(4 * M_TILES):
-                prefetch_l2(weights[j])
-        gdc_wait()  # the previous kernel has finished and its writes are visible
-        gdc_launch_dependents()  # the next PDL launch may start its prefetch while this grid runs
     pointers = _word_pointers(values_u32, mask_u32, x_u32, norm_u32,
                               k_first if EVEN_K else tl.minimum(k_first, n_words - 1), rows, t, x_rows, n_rows,
                               n_words, x_stride_u32, M_TILES, N_BLOCKS, NORM, GATED)
@@ -500,15 +486,12 @@ def _launch(x, values, mask, y, config, residual=None, norm_weight=None, norm_ep
         raise ValueError(f"spmv_2of4: config {config} does not cover {n_words} words with 1 to words-per-warp "
                          "words ahead")
     programs = triton.cdiv(n_rows, 16 * tiles)
-    pdl = programmatic_launch(x.device, batch)
-    # a word of every warp: 16 rows a tile, each 16 kept bf16 values and a mask word
-    l2_words = l2_prefetch_words(programs * slices * tiles * 16 * 36, words_per_warp) if pdl else 0
     mma_sp_kernel.run(  # kernel[grid](...), or only its compile (Triton's warmup)
         x, values, mask, y, y if residual is None else residual, x if norm_weight is None else norm_weight, n_rows,
-        n_words, words_per_warp, batch, x_width, norm_eps, l2_words, SLICES=slices, M_TILES=tiles,
+        n_words, words_per_warp, batch, x_width, norm_eps, SLICES=slices, M_TILES=tiles,
         N_BLOCKS=triton.cdiv(batch, 8), EVEN_K=n_words == slices * words_per_warp, UNROLL=unroll, PREFETCH=ahead,
-        NORM=norm_weight is not None, GATED=gated, RESIDUAL=residual is not None, PDL=pdl,
-        INTERPRETER_SAFE=INTERPRETING, num_warps=slices, launch_pdl=pdl, grid=(programs, ), warmup=compile_only)
+        NORM=norm_weight is not None, GATED=gated, RESIDUAL=residual is not None,
+        INTERPRETER_SAFE=INTERPRETING, num_warps=slices, grid=(programs, ), warmup=compile_only)
 
 
 def _key(x, mask, prologue=""):

@@ -36,10 +36,9 @@ bit's index from the float32 exponent of (w & -w), exact for a power of two.
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from sparse.kernels.common import (INTERPRETING, MAX_DECODE_ROWS, l2_prefetch_words, load_u32, prefetch_l2,
-                                   programmatic_launch, replace_item, silu, bf16_bits, split_k_workspace, sum_splits)
+from sparse.kernels.common import (INTERPRETING, MAX_DECODE_ROWS, load_u32, replace_item, silu, bf16_bits,
+                                   split_k_workspace, sum_splits)
 from sparse.kernels.tuning import tuned_config
 
 MAX_ROWS = MAX_DECODE_ROWS
@@ -215,35 +214,16 @@ def _join_lanes(acc, FIRST: tl.constexpr, COUNT: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_words_to_l2(values_u32, mask_u32, k_first, rows, n_rows, n_words, words,
-                          CHUNKS: tl.constexpr, U32_PER_CHUNK: tl.constexpr):
-    """Asks the L2 for `words` words from k_first of each thread's row (its mask word and values): a
-    hint, no registers written, no wait. At the normal eviction priority: lines marked evict_last
-    would outlive their one read and crowd out the step's other data (x, the KV cache); against
-    that, lines prefetched during the previous kernel's last ~24 MB of reads are the newest of the
-    L2's 60 MB when this kernel reads them."""
-    for i in range(0, words):
-        k = tl.minimum(k_first + i, n_words - 1)
-        prefetch_l2(mask_u32 + k * n_rows + rows)
-        for c in tl.static_range(CHUNKS):
-            prefetch_l2(values_u32 + ((k * CHUNKS + c) * n_rows + rows) * U32_PER_CHUNK)
-
-
-@triton.jit
 def spmv_kernel(x_ptr, values_ptr, mask_ptr, y_ptr, workspace_ptr, arrivals_ptr, norm_ptr, residual_ptr,
-                n_rows, n_words, words_per_warp, batch_rows, x_stride, norm_eps, l2_words,
+                n_rows, n_words, words_per_warp, batch_rows, x_stride, norm_eps,
                 NNZ: tl.constexpr, CHUNK: tl.constexpr, BATCH: tl.constexpr, SLICES: tl.constexpr,
                 PREFETCH: tl.constexpr, EVEN_K: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
-                GATED: tl.constexpr, PACKED_X: tl.constexpr, PDL: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
+                GATED: tl.constexpr, PACKED_X: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
     """y[:batch_rows, rows] = residual + prologue(x) @ W[rows].T for the 32 rows of this program's
     row block (`spmv` says what the optional prologue and residual are).
 
     Grid (row blocks, K splits); SLICES warps per program, warp s walking words_per_warp words
-    from (split · SLICES + s) · words_per_warp. BATCH: batch_rows rounded up to a power of two.
-    PDL: launched as a programmatic dependent launch (common.PDL_L2_PREFETCH_BYTES): the program may run
-    while the previous kernel drains; it prefetches its warps' first l2_words words into the L2,
-    then waits for that kernel before its first load (x, the residual and the split-K workspace
-    are that kernel's or its predecessors')."""
+    from (split · SLICES + s) · words_per_warp. BATCH: batch_rows rounded up to a power of two."""
     DTYPE: tl.constexpr = values_ptr.dtype.element_ty
     U32_PER_CHUNK: tl.constexpr = CHUNK * DTYPE.primitive_bitwidth // 32
     CHUNKS: tl.constexpr = NNZ // CHUNK
@@ -258,12 +238,6 @@ def spmv_kernel(x_ptr, values_ptr, mask_ptr, y_ptr, workspace_ptr, arrivals_ptr,
     for b in tl.static_range(BATCH):
         acc = acc + (tl.zeros([THREADS], dtype=tl.float32), )
     squares = acc if NORM else ()
-
-    if PDL:
-        _prefetch_words_to_l2(values_u32, mask_u32, k_first, rows, n_rows, n_words, l2_words, CHUNKS,
-                              U32_PER_CHUNK)
-        gdc_wait()  # the previous kernel has finished and its writes are visible
-        gdc_launch_dependents()  # the next PDL launch may start its prefetch while this grid runs
 
     # Software pipeline, PREFETCH words deep: word i + PREFETCH's loads are issued before word i
     # is multiplied.
@@ -413,15 +387,11 @@ def spmv(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, config=None,
     workspace, arrivals = split_k_workspace(x.device, batch * n_rows + row_blocks * triton.next_power_of_2(batch),
                                             row_blocks)
     y = torch.empty(batch, n_rows, dtype=x.dtype, device=x.device) if out is None else out
-    pdl = programmatic_launch(x.device, batch)
-    # a word of every warp: 32 rows each, their kept values and mask word
-    l2_words = l2_prefetch_words(row_blocks * split * slices * 32 * (nnz * values.element_size() + 4),
-                                 words_per_warp) if pdl else 0
     spmv_kernel.run(  # kernel[grid](...), or only its compile (Triton's warmup)
         x, values, mask, y, workspace, arrivals, x if norm_weight is None else norm_weight,
-        x if residual is None else residual, n_rows, n_words, words_per_warp, batch, x_width, norm_eps, l2_words,
+        x if residual is None else residual, n_rows, n_words, words_per_warp, batch, x_width, norm_eps,
         NNZ=nnz, CHUNK=chunk, BATCH=triton.next_power_of_2(batch), SLICES=slices, PREFETCH=prefetch,
         EVEN_K=n_words % (slices * words_per_warp) == 0, NORM=norm_weight is not None,
-        RESIDUAL=residual is not None, GATED=gated, PACKED_X=pack_x, PDL=pdl, INTERPRETER_SAFE=INTERPRETING,
-        num_warps=slices, launch_pdl=pdl, grid=(row_blocks, split), warmup=compile_only)
+        RESIDUAL=residual is not None, GATED=gated, PACKED_X=pack_x, INTERPRETER_SAFE=INTERPRETING,
+        num_warps=slices, grid=(row_blocks, split), warmup=compile_only)
     return y
