@@ -431,12 +431,14 @@ PREFETCH_UNROLL = ((1, 2), (1, 4), (2, 2), (4, 4))
 
 def candidate_configs(n_words: int, rows: int):
     """(slices, words per warp, unroll, tiles, words ahead) for `rows` rows of x: the warps of a
-    program split K evenly (K whole in a program); one or two 16-row tiles a warp (two: twice the
-    bytes in flight a warp, x's loads shared), and above 8 rows also four, since x's fragments then
-    double and sharing them over more weight rows pays; 1, 2 or 4 words' loads in flight a warp
+    program split K evenly (K whole in a program); one to three 16-row tiles a warp (more: more
+    bytes in flight a warp, x's loads shared; three as well as two and four because a program's
+    registers leave one program an SM at 16 rows, so the tile count decides how evenly a layer's
+    programs cover the SMs), and above 8 rows also four, since x's fragments then double and
+    sharing them over more weight rows pays; 1, 2 or 4 words' loads in flight a warp
     (PREFETCH_UNROLL; no more than the warp's words), at most 8 tile-words (four tiles four words
     ahead spill)."""
-    tile_counts = (1, 2, 4) if rows > 8 else (1, 2)
+    tile_counts = (1, 2, 3, 4) if rows > 8 else (1, 2, 3)
     return [(slices, triton.cdiv(n_words, slices), unroll, tiles, ahead) for slices in (1, 2, 4, 8, 16)
             if slices <= n_words for ahead, unroll in PREFETCH_UNROLL if ahead <= triton.cdiv(n_words, slices)
             for tiles in tile_counts if tiles * ahead <= 8]
