@@ -1,5 +1,5 @@
 """scripts/plot_speed.py: the measured JSON files grouped into bars (one per engine and pattern,
-every process a dot), issue 5's goal lines, and both figures written as PNGs; a missing input is
+every process a dot), issue 41's goal lines, and both figures written as PNGs; a missing input is
 one clear error line."""
 import json
 import subprocess
@@ -49,11 +49,20 @@ def test_tensor_parallel_rows_are_bars_of_their_own(tmp_path):
     assert sorted(processes["Llama-3.3-70B", 1], key=plot_speed.bar_order) == ["ours-tp2 dense", "ours 2:4", "ours-tp2 2:4"]
 
 
-def test_goals_follow_issue_5():
+def test_goals_follow_issue_41():
     assert plot_speed.decode_goal("Llama-3.1-8B", 1, 200.0, 1.68) == pytest.approx(320.0)  # 1.6x the fastest dense
-    assert plot_speed.decode_goal("Llama-3.1-8B", 4, 200.0, 1.68) == pytest.approx(270.0)  # 1.35x
+    assert plot_speed.decode_goal("Llama-3.1-8B", 4, 200.0, 1.68) == pytest.approx(280.0)  # 1.4x
+    assert plot_speed.decode_goal("Llama-3.1-8B", 16, 200.0, 1.68) == pytest.approx(240.0)  # 1.2x
     assert plot_speed.decode_goal("Qwen3-14B", 1, 100.0, 1.7) == pytest.approx(161.5)  # 95 % of the bound
-    assert plot_speed.decode_goal("Llama-3.1-8B", 16, 200.0, 1.68) is None
+    assert plot_speed.decode_goal("Llama-3.1-8B", 32, 200.0, 1.68) is None
+
+
+def test_rows_a_run_did_not_measure_are_left_out(tmp_path):
+    skipped = dict(model="Llama-3.1-8B", pattern="16:32", batch=1, engine="ours", tok_s=None,
+                   error="skipped: past --deadline_s")
+    files = [decode_file(tmp_path, "cut.json", [row("Llama-3.1-8B", "dense", 212.8), skipped])]
+    processes, bounds = plot_speed.decode_processes(files)
+    assert processes["Llama-3.1-8B", 1] == {"ours dense": [212.8]} and bounds == {}
 
 
 def test_both_figures_are_written(decode_files, tmp_path):
