@@ -93,9 +93,11 @@ def load_use_distances(loop, marker: str, load_kind: str = ""):
         markers = 0
         for step in range(1, len(parsed) + 1):
             later, later_registers, _ = parsed[(i + step) % len(parsed)]
-            # an MMA reads register ranges (A: 4, B: 2 or 4, C: 4) from its first ones; count them all
+            # an MMA reads register ranges (A: 4, B: 2 or 4, C: 4) from their first ones, counted as 4;
+            # a sparse one's last operand is its metadata, one register
+            ranges = later_registers[1:-1] if ".SP." in later else later_registers[1:]
             reads = set(later_registers[1:]) if not later.startswith(marker) else \
-                {r + k for r in later_registers[1:] for k in range(4)}
+                {r + k for r in ranges for k in range(4)} | set(later_registers[-1:])
             if written & reads:
                 break
             markers += later.startswith(marker)
