@@ -164,12 +164,13 @@ def _mma_sp(a, b, c, e, INTERPRETER_SAFE: tl.constexpr):
 
 
 @triton.jit
-def _word_pointers(values_u32, mask_u32, x_u32, norm_u32, k, rows, t, x_rows, n_rows, n_words, x_stride_u32,
-                   M_TILES: tl.constexpr, N_BLOCKS: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr):
-    """Where the thread's loads of word k start: ((per 16-row tile: its values in rows g and g + 8,
-    their mask words), (x's sources: x at B register 0 of each block of 8 x rows; with GATED those
-    are the gate's columns and the up half's follow, block by block; with NORM the norm weight at
-    the same columns last)); `rows`: rows g and g + 8 of each tile.
+def _word_pointers(values_u32, mask_u32, x_u32, norm_u32, k, row, t, x_rows, n_rows, n_words, x_stride_u32,
+                   N_BLOCKS: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr):
+    """Where the thread's loads of word k start: ((its values in `row`, row g of the program's first
+    tile, and its mask word there: the rows g and g + 8 of every tile are constant offsets from
+    these, so one 64-bit register each addresses them all), (x's sources: x at B register 0 of each
+    block of 8 x rows; with GATED those are the gate's columns and the up half's follow, block by
+    block; with NORM the norm weight at the same columns last)).
 
     The instruction's K order is a permutation of the word's columns, chosen so that a thread's A
     registers are four consecutive kept values of a row (one 8-byte load a row instead of two
@@ -180,10 +181,7 @@ def _word_pointers(values_u32, mask_u32, x_u32, norm_u32, k, rows, t, x_rows, n_
     register j holds K rows 8j + 2t, + 1, in group 2j + t // 2, which is at the word's column
     8(t // 2) + 2(t % 2) + (0, 16, 4, 20)[j], i.e. uint32 4(t // 2) + t % 2 + (0, 8, 2, 10)[j]."""
     first = ((2 * k + t // 2) * n_rows) * 4 + 2 * (t % 2)
-    weights = ()
-    for m in tl.static_range(M_TILES):
-        weights = weights + (values_u32 + first + rows[2 * m] * 4, values_u32 + first + rows[2 * m + 1] * 4,
-                             mask_u32 + k * n_rows + rows[2 * m], mask_u32 + k * n_rows + rows[2 * m + 1])
+    weights = (values_u32 + first + row * 4, mask_u32 + k * n_rows + row)
     x_pointers = ()
     for source in tl.static_range(N_BLOCKS * (1 + GATED) + NORM):
         if source < N_BLOCKS * (1 + GATED):  # a block of x rows (with GATED, the up half: n_words * 16 uint32 on)
@@ -206,11 +204,11 @@ def _load_word(pointers, valid, M_TILES: tl.constexpr, SOURCES: tl.constexpr, EV
     a = ()
     masks = ()
     for m in tl.static_range(M_TILES):
-        low = load_u32(weights[4 * m], 2, INTERPRETER_SAFE)
-        high = load_u32(weights[4 * m + 1], 2, INTERPRETER_SAFE)
+        low = load_u32(weights[0] + 64 * m, 2, INTERPRETER_SAFE)  # row g of tile m: 16 m rows of 4 uint32 on
+        high = load_u32(weights[0] + 64 * m + 32, 2, INTERPRETER_SAFE)
         a = a + (low[0], high[0], low[1], high[1])
-        masks = masks + (load_u32(weights[4 * m + 2], 1, INTERPRETER_SAFE)[0],
-                         load_u32(weights[4 * m + 3], 1, INTERPRETER_SAFE)[0])
+        masks = masks + (load_u32(weights[1] + 16 * m, 1, INTERPRETER_SAFE)[0],
+                         load_u32(weights[1] + 16 * m + 8, 1, INTERPRETER_SAFE)[0])
     b = ()
     for source in tl.static_range(SOURCES):
         for j in tl.static_range(4):
@@ -220,14 +218,11 @@ def _load_word(pointers, valid, M_TILES: tl.constexpr, SOURCES: tl.constexpr, EV
 
 
 @triton.jit
-def _advance(pointers, n_rows, M_TILES: tl.constexpr, SOURCES: tl.constexpr):
+def _advance(pointers, n_rows, SOURCES: tl.constexpr):
     """`_word_pointers` of the next word."""
     weights, x_pointers = pointers
     step = 8 * n_rows  # uint32 of values a word: two chunks of 4 per row
-    next_weights = ()
-    for m in tl.static_range(M_TILES):
-        next_weights = next_weights + (weights[4 * m] + step, weights[4 * m + 1] + step, weights[4 * m + 2] + n_rows,
-                                       weights[4 * m + 3] + n_rows)
+    next_weights = (weights[0] + step, weights[1] + n_rows)
     next_x = ()
     for source in tl.static_range(SOURCES):
         next_x = next_x + (x_pointers[source] + 16, )
@@ -307,16 +302,16 @@ def _multiply(acc, squares, word, t, M_TILES: tl.constexpr, N_BLOCKS: tl.constex
 
 
 @triton.jit
-def _next_pointers(pointers, values_u32, mask_u32, x_u32, norm_u32, k, rows, t, x_rows, n_rows, n_words,
-                   x_stride_u32, M_TILES: tl.constexpr, N_BLOCKS: tl.constexpr, NORM: tl.constexpr,
-                   GATED: tl.constexpr, EVEN_K: tl.constexpr):
+def _next_pointers(pointers, values_u32, mask_u32, x_u32, norm_u32, k, row, t, x_rows, n_rows, n_words,
+                   x_stride_u32, N_BLOCKS: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr,
+                   EVEN_K: tl.constexpr):
     """`_word_pointers` of word k, the word after `pointers`': with EVEN_K a constant step, otherwise
     found again, clamped to the last word (the words past the end are read there, x zeroed)."""
     if EVEN_K:
-        pointers = _advance(pointers, n_rows, M_TILES, N_BLOCKS * (1 + GATED) + NORM)
+        pointers = _advance(pointers, n_rows, N_BLOCKS * (1 + GATED) + NORM)
     else:
-        pointers = _word_pointers(values_u32, mask_u32, x_u32, norm_u32, tl.minimum(k, n_words - 1), rows, t, x_rows,
-                                  n_rows, n_words, x_stride_u32, M_TILES, N_BLOCKS, NORM, GATED)
+        pointers = _word_pointers(values_u32, mask_u32, x_u32, norm_u32, tl.minimum(k, n_words - 1), row, t, x_rows,
+                                  n_rows, n_words, x_stride_u32, N_BLOCKS, NORM, GATED)
     return pointers
 
 
@@ -349,9 +344,11 @@ def mma_sp_kernel(x_ptr, values_ptr, mask_ptr, y_ptr, residual_ptr, norm_ptr, n_
     g = lane // 4
     t = lane % 4
     first_row = tl.program_id(0) * 16 * M_TILES
-    rows = ()  # rows g and g + 8 of each tile; rows past the end repeat the last (not stored)
-    for m in tl.static_range(M_TILES):
-        rows = rows + (tl.minimum(first_row + 16 * m + g, n_rows - 1), tl.minimum(first_row + 16 * m + g + 8, n_rows - 1))
+    # A program's tiles are one block of rows, so each thread addresses every tile's weights from one
+    # pointer (a 64-bit pointer a row and tile filled the registers at 16 rows). The last program's
+    # block shifts back to end at the last row (n_rows >= 16 M_TILES); its rows before first_row
+    # belong to the program before and are not stored.
+    block_row = tl.minimum(first_row, n_rows - 16 * M_TILES)
     k_first = (thread // 32) * words_per_warp
     values_u32 = values_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
     mask_u32 = mask_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
@@ -373,17 +370,17 @@ def mma_sp_kernel(x_ptr, values_ptr, mask_ptr, y_ptr, residual_ptr, norm_ptr, n_
     x_stride_u32 = x_stride // 2
     SOURCES: tl.constexpr = N_BLOCKS * (1 + GATED) + NORM
     pointers = _word_pointers(values_u32, mask_u32, x_u32, norm_u32,
-                              k_first if EVEN_K else tl.minimum(k_first, n_words - 1), rows, t, x_rows, n_rows,
-                              n_words, x_stride_u32, M_TILES, N_BLOCKS, NORM, GATED)
+                              k_first if EVEN_K else tl.minimum(k_first, n_words - 1), block_row + g, t, x_rows,
+                              n_rows, n_words, x_stride_u32, N_BLOCKS, NORM, GATED)
     ahead = ()
     for d in tl.static_range(PREFETCH):
         ahead = ahead + (_load_word(pointers, k_first + d < n_words, M_TILES, SOURCES, EVEN_K, INTERPRETER_SAFE), )
-        pointers = _next_pointers(pointers, values_u32, mask_u32, x_u32, norm_u32, k_first + d + 1, rows, t, x_rows,
-                                  n_rows, n_words, x_stride_u32, M_TILES, N_BLOCKS, NORM, GATED, EVEN_K)
+        pointers = _next_pointers(pointers, values_u32, mask_u32, x_u32, norm_u32, k_first + d + 1, block_row + g, t,
+                                  x_rows, n_rows, n_words, x_stride_u32, N_BLOCKS, NORM, GATED, EVEN_K)
     for i in tl.range(PREFETCH, words_per_warp, loop_unroll_factor=UNROLL):
         fresh = _load_word(pointers, k_first + i < n_words, M_TILES, SOURCES, EVEN_K, INTERPRETER_SAFE)
-        pointers = _next_pointers(pointers, values_u32, mask_u32, x_u32, norm_u32, k_first + i + 1, rows, t, x_rows,
-                                  n_rows, n_words, x_stride_u32, M_TILES, N_BLOCKS, NORM, GATED, EVEN_K)
+        pointers = _next_pointers(pointers, values_u32, mask_u32, x_u32, norm_u32, k_first + i + 1, block_row + g, t,
+                                  x_rows, n_rows, n_words, x_stride_u32, N_BLOCKS, NORM, GATED, EVEN_K)
         acc, squares = _multiply(acc, squares, ahead[0], t, M_TILES, N_BLOCKS, NORM, GATED, INTERPRETER_SAFE)
         ahead = ahead[1:] + (fresh, )
     for d in tl.static_range(PREFETCH):
@@ -413,9 +410,9 @@ def mma_sp_kernel(x_ptr, values_ptr, mask_ptr, y_ptr, residual_ptr, norm_ptr, n_
                 part = parts[i]
                 if NORM:
                     part = part * inverse_rms[2 * block + i % 2]
-                row = first_row + 16 * m + out_g + 8 * (i // 2)
+                row = block_row + 16 * m + out_g + 8 * (i // 2)
                 x_row = block * 8 + 2 * out_t + i % 2
-                ok = (row < n_rows) & (x_row < batch_rows)
+                ok = (row >= first_row) & (row < n_rows) & (x_row < batch_rows)
                 if RESIDUAL:
                     part += tl.load(residual_ptr + x_row * n_rows + row, mask=ok, other=0.0).to(tl.float32)
                 tl.store(y_ptr + x_row * n_rows + row, part.to(y_ptr.dtype.element_ty), mask=ok)
@@ -429,16 +426,16 @@ def mma_sp_kernel(x_ptr, values_ptr, mask_ptr, y_ptr, residual_ptr, norm_ptr, n_
 PREFETCH_UNROLL = ((1, 2), (1, 4), (2, 2), (4, 4))
 
 
-def candidate_configs(n_words: int, rows: int):
-    """(slices, words per warp, unroll, tiles, words ahead) for `rows` rows of x: the warps of a
-    program split K evenly (K whole in a program); one to three 16-row tiles a warp (more: more
-    bytes in flight a warp, x's loads shared; three as well as two and four because a program's
-    registers leave one program an SM at 16 rows, so the tile count decides how evenly a layer's
-    programs cover the SMs), and above 8 rows also four, since x's fragments then double and
-    sharing them over more weight rows pays; 1, 2 or 4 words' loads in flight a warp
-    (PREFETCH_UNROLL; no more than the warp's words), at most 8 tile-words (four tiles four words
-    ahead spill)."""
-    tile_counts = (1, 2, 3, 4) if rows > 8 else (1, 2, 3)
+def candidate_configs(n_rows: int, n_words: int, batch: int):
+    """(slices, words per warp, unroll, tiles, words ahead) for `batch` rows of x and a weight of
+    n_rows x 32 n_words: the warps of a program split K evenly (K whole in a program); one to three
+    16-row tiles a warp (more: more bytes in flight a warp, x's loads shared; three as well as two
+    and four because the tile count decides how evenly a layer's programs cover the SMs), and above
+    8 rows also four, since x's fragments then double and sharing them over more weight rows pays;
+    no more tiles than n_rows fill (a program's tiles are one block of rows); 1, 2 or 4 words'
+    loads in flight a warp (PREFETCH_UNROLL; no more than the warp's words), at most 8 tile-words
+    (four tiles four words ahead spill)."""
+    tile_counts = [tiles for tiles in ((1, 2, 3, 4) if batch > 8 else (1, 2, 3)) if 16 * tiles <= n_rows]
     return [(slices, triton.cdiv(n_words, slices), unroll, tiles, ahead) for slices in (1, 2, 4, 8, 16)
             if slices <= n_words for ahead, unroll in PREFETCH_UNROLL if ahead <= triton.cdiv(n_words, slices)
             for tiles in tile_counts if tiles * ahead <= 8]
@@ -462,6 +459,8 @@ def spmv_2of4(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, config=
     if x_width != n_words * 32 * (1 + gated) or not 1 <= batch <= MAX_ROWS:
         raise ValueError(f"spmv_2of4: x {tuple(x.shape)} does not fit a packed weight with in_features="
                          f"{n_words * 32}{' (gated: twice that)' if gated else ''} (1 to {MAX_ROWS} rows)")
+    if n_rows < 16:
+        raise ValueError(f"spmv_2of4 needs a weight of at least 16 rows (one tile), got {n_rows}")
     if gated and norm_weight is not None:
         raise ValueError("spmv_2of4 takes one prologue: the norm or gated, not both")
     if tuple(values.shape) != (2 * n_words, n_rows, 8):
@@ -484,6 +483,9 @@ def _launch(x, values, mask, y, config, residual=None, norm_weight=None, norm_ep
             compile_only=False):
     (batch, x_width), (n_words, n_rows) = x.shape, mask.shape
     slices, words_per_warp, unroll, tiles, ahead = config
+    if 16 * tiles > n_rows:
+        raise ValueError(f"spmv_2of4: config {config} has {tiles} 16-row tiles a program, more than the weight's "
+                         f"{n_rows} rows fill")
     if not 1 <= ahead <= words_per_warp or slices * words_per_warp < n_words:
         raise ValueError(f"spmv_2of4: config {config} does not cover {n_words} words with 1 to words-per-warp "
                          "words ahead")
@@ -513,6 +515,7 @@ def spmv_2of4_tuned(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, n
     key = _key(x, mask, "norm" if norm_weight is not None else "gated" if gated else "")
     y = torch.empty(x.shape[0], mask.shape[1], dtype=x.dtype, device=x.device)
     options = dict(norm_weight=norm_weight, norm_eps=norm_eps, gated=gated)
-    return tuned_config(tuned_configs, key, candidate_configs(mask.shape[0], x.shape[0]), x, values, mask,
+    configs = candidate_configs(mask.shape[1], mask.shape[0], x.shape[0])
+    return tuned_config(tuned_configs, key, configs, x, values, mask,
                         lambda config, v, m: _launch(x, v, m, y, config, **options),
                         lambda config: _launch(x, values, mask, y, config, compile_only=True, **options))
