@@ -100,6 +100,10 @@ def test_tensor_cores_join_the_race_for_bf16_2of4(monkeypatch):
                            two_of_four=True)
     linear._bitmask_matmul(torch.randn(4, 96, dtype=torch.bfloat16), layer.values, layer.mask, two_of_four=False)
     assert calls == ["spmv", "spmv"] and len(races) == 2  # fp32 x, or not 2:4: no race below 8 rows
+    calls.clear()  # a weight of fewer rows than one 16-row tile: no tensor cores either
+    small = SparseLinear.from_dense(torch.randn(8, 96, dtype=torch.bfloat16), "2:4")
+    linear._bitmask_matmul(torch.randn(4, 96, dtype=torch.bfloat16), small.values, small.mask, two_of_four=True)
+    assert calls == ["spmv"] and len(races) == 2
     calls.clear()  # with a residual to add (o and w2 at 4-7 rows): the SpMV or the tensor cores, never the SpMM
     x, residual = torch.randn(4, 96, dtype=torch.bfloat16), torch.randn(4, 64, dtype=torch.bfloat16)
     linear._bitmask_matmul(x, layer.values, layer.mask, residual=residual, two_of_four=True)
