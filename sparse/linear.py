@@ -133,7 +133,7 @@ def tensor_cores_take(x: Tensor, values: Tensor, two_of_four: bool) -> bool:
     """Whether a matmul of x (its rows: all dimensions but the last) by this packed weight races the
     sparse tensor cores: bf16, 2:4, at most mma_sp.MAX_ROWS rows, a weight of at least one 16-row tile."""
     return (two_of_four and x.dtype == values.dtype == torch.bfloat16
-            and x.numel() // x.shape[-1] <= mma_sp.MAX_ROWS and values.shape[1] >= 16)
+            and x.numel() // x.shape[-1] <= mma_sp.MAX_ROWS and values.shape[1] >= mma_sp.TILE_ROWS)
 
 
 def can_time_in_cuda_graph(x: Tensor) -> bool:

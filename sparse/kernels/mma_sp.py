@@ -42,6 +42,7 @@ from sparse.kernels.common import INTERPRETING, MAX_DECODE_ROWS, bf16_bits, load
 from sparse.kernels.tuning import tuned_config
 
 MAX_ROWS = MAX_DECODE_ROWS  # two m16n8k32 instructions per tile and word
+TILE_ROWS = 16  # weight rows of one m16n8k32 instruction: a weight needs at least one tile
 tuned_configs = {}  # (mask shape, rows of x, prologue, device) -> config
 
 
@@ -349,6 +350,7 @@ def mma_sp_kernel(x_ptr, values_ptr, mask_ptr, y_ptr, residual_ptr, norm_ptr, n_
     # block shifts back to end at the last row (n_rows >= 16 M_TILES); its rows before first_row
     # belong to the program before and are not stored.
     block_row = tl.minimum(first_row, n_rows - 16 * M_TILES)
+    row_g = block_row + g  # the thread's row g of the program's first tile
     k_first = (thread // 32) * words_per_warp
     values_u32 = values_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
     mask_u32 = mask_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
@@ -370,17 +372,17 @@ def mma_sp_kernel(x_ptr, values_ptr, mask_ptr, y_ptr, residual_ptr, norm_ptr, n_
     x_stride_u32 = x_stride // 2
     SOURCES: tl.constexpr = N_BLOCKS * (1 + GATED) + NORM
     pointers = _word_pointers(values_u32, mask_u32, x_u32, norm_u32,
-                              k_first if EVEN_K else tl.minimum(k_first, n_words - 1), block_row + g, t, x_rows,
-                              n_rows, n_words, x_stride_u32, N_BLOCKS, NORM, GATED)
+                              k_first if EVEN_K else tl.minimum(k_first, n_words - 1), row_g, t, x_rows, n_rows,
+                              n_words, x_stride_u32, N_BLOCKS, NORM, GATED)
     ahead = ()
     for d in tl.static_range(PREFETCH):
         ahead = ahead + (_load_word(pointers, k_first + d < n_words, M_TILES, SOURCES, EVEN_K, INTERPRETER_SAFE), )
-        pointers = _next_pointers(pointers, values_u32, mask_u32, x_u32, norm_u32, k_first + d + 1, block_row + g, t,
-                                  x_rows, n_rows, n_words, x_stride_u32, N_BLOCKS, NORM, GATED, EVEN_K)
+        pointers = _next_pointers(pointers, values_u32, mask_u32, x_u32, norm_u32, k_first + d + 1, row_g, t, x_rows,
+                                  n_rows, n_words, x_stride_u32, N_BLOCKS, NORM, GATED, EVEN_K)
     for i in tl.range(PREFETCH, words_per_warp, loop_unroll_factor=UNROLL):
         fresh = _load_word(pointers, k_first + i < n_words, M_TILES, SOURCES, EVEN_K, INTERPRETER_SAFE)
-        pointers = _next_pointers(pointers, values_u32, mask_u32, x_u32, norm_u32, k_first + i + 1, block_row + g, t,
-                                  x_rows, n_rows, n_words, x_stride_u32, N_BLOCKS, NORM, GATED, EVEN_K)
+        pointers = _next_pointers(pointers, values_u32, mask_u32, x_u32, norm_u32, k_first + i + 1, row_g, t, x_rows,
+                                  n_rows, n_words, x_stride_u32, N_BLOCKS, NORM, GATED, EVEN_K)
         acc, squares = _multiply(acc, squares, ahead[0], t, M_TILES, N_BLOCKS, NORM, GATED, INTERPRETER_SAFE)
         ahead = ahead[1:] + (fresh, )
     for d in tl.static_range(PREFETCH):
@@ -435,7 +437,7 @@ def candidate_configs(n_rows: int, n_words: int, batch: int):
     no more tiles than n_rows fill (a program's tiles are one block of rows); 1, 2 or 4 words'
     loads in flight a warp (PREFETCH_UNROLL; no more than the warp's words), at most 8 tile-words
     (four tiles four words ahead spill)."""
-    tile_counts = [tiles for tiles in ((1, 2, 3, 4) if batch > 8 else (1, 2, 3)) if 16 * tiles <= n_rows]
+    tile_counts = [tiles for tiles in ((1, 2, 3, 4) if batch > 8 else (1, 2, 3)) if TILE_ROWS * tiles <= n_rows]
     return [(slices, triton.cdiv(n_words, slices), unroll, tiles, ahead) for slices in (1, 2, 4, 8, 16)
             if slices <= n_words for ahead, unroll in PREFETCH_UNROLL if ahead <= triton.cdiv(n_words, slices)
             for tiles in tile_counts if tiles * ahead <= 8]
@@ -459,8 +461,8 @@ def spmv_2of4(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, config=
     if x_width != n_words * 32 * (1 + gated) or not 1 <= batch <= MAX_ROWS:
         raise ValueError(f"spmv_2of4: x {tuple(x.shape)} does not fit a packed weight with in_features="
                          f"{n_words * 32}{' (gated: twice that)' if gated else ''} (1 to {MAX_ROWS} rows)")
-    if n_rows < 16:
-        raise ValueError(f"spmv_2of4 needs a weight of at least 16 rows (one tile), got {n_rows}")
+    if n_rows < TILE_ROWS:
+        raise ValueError(f"spmv_2of4 needs a weight of at least {TILE_ROWS} rows (one tile), got {n_rows}")
     if gated and norm_weight is not None:
         raise ValueError("spmv_2of4 takes one prologue: the norm or gated, not both")
     if tuple(values.shape) != (2 * n_words, n_rows, 8):
@@ -483,13 +485,13 @@ def _launch(x, values, mask, y, config, residual=None, norm_weight=None, norm_ep
             compile_only=False):
     (batch, x_width), (n_words, n_rows) = x.shape, mask.shape
     slices, words_per_warp, unroll, tiles, ahead = config
-    if 16 * tiles > n_rows:
+    if TILE_ROWS * tiles > n_rows:
         raise ValueError(f"spmv_2of4: config {config} has {tiles} 16-row tiles a program, more than the weight's "
                          f"{n_rows} rows fill")
     if not 1 <= ahead <= words_per_warp or slices * words_per_warp < n_words:
         raise ValueError(f"spmv_2of4: config {config} does not cover {n_words} words with 1 to words-per-warp "
                          "words ahead")
-    programs = triton.cdiv(n_rows, 16 * tiles)
+    programs = triton.cdiv(n_rows, TILE_ROWS * tiles)
     mma_sp_kernel.run(  # kernel[grid](...), or only its compile (Triton's warmup)
         x, values, mask, y, y if residual is None else residual, x if norm_weight is None else norm_weight, n_rows,
         n_words, words_per_warp, batch, x_width, norm_eps, SLICES=slices, M_TILES=tiles,
