@@ -296,9 +296,17 @@ def bench_shape(out_features, in_features, batch, pattern, with_semi=True, layer
         fused_us = time_in_cuda_graph([decode_call(layer, batch, v, m) for v, m in packed])
     tensor_core_us = tensor_core_fused_us = None
     if pattern == "2:4" and batch <= mma_sp.MAX_ROWS:  # the same weights on the sparse tensor cores
-        mma_sp.spmv_2of4_tuned(x, values, mask)  # its config for this shape, tuned outside the timing
-        tensor_core_us = time_in_cuda_graph([lambda v=v, m=m: mma_sp.spmv_2of4(x, v, m) for v, m in packed])
-        check_against_float64("the sparse tensor cores", mma_sp.spmv_2of4(x, values, mask), x, values, mask)
+        # From ROUTES.fragments_from_rows SparseLinear gives them x in fragment order. The repack is
+        # not timed here (Inductor may fuse it into the kernel producing x); bench_decode.py counts it.
+        fragments = batch >= linear.ROUTES.fragments_from_rows
+        x_fragments = mma_sp.fragment_order(x) if fragments else None
+
+        def tensor_cores(v, m):
+            return mma_sp.spmv_2of4_fragments(x_fragments, v, m, batch) if fragments else mma_sp.spmv_2of4(x, v, m)
+
+        tensor_cores(values, mask)  # its config for this shape, tuned outside the timing
+        tensor_core_us = time_in_cuda_graph([lambda v=v, m=m: tensor_cores(v, m) for v, m in packed])
+        check_against_float64("the sparse tensor cores", tensor_cores(values, mask), x, values, mask)
         if fused_us is not None and decode_call is fused_sparse_call:
             calls = [fused_sparse_call(layer, batch, v, m, tensor_cores=True) for v, m in packed]
             calls[0]()  # tunes its config for this fusion, outside the timing
@@ -313,7 +321,8 @@ def bench_shape(out_features, in_features, batch, pattern, with_semi=True, layer
                dense_gbps=(dense_bytes + io_bytes) / dense_us / 1e3, sparse_bytes=sparse_bytes + io_bytes)
     if tensor_core_us is not None:
         row.update(tensor_core_us=tensor_core_us, tensor_core_speedup=dense_us / tensor_core_us,
-                   tensor_core_config=mma_sp.spmv_2of4_config(x, mask), tensor_core_fused_us=tensor_core_fused_us)
+                   tensor_core_config=mma_sp.spmv_2of4_config(x, mask, "fragments" if fragments else ""),
+                   tensor_core_fused_us=tensor_core_fused_us)
         if tensor_core_fused_us is not None and has_prologue(layer):
             row["tensor_core_fused_config"] = mma_sp.spmv_2of4_config(
                 x, mask, "norm" if DECODE_FUSION[layer].get("norm") else "gated")

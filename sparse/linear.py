@@ -7,6 +7,9 @@ Where `sparse_matmul` runs:
   tensor cores (kernels/mma_sp.py), as the route table `ROUTES` says; where two or three of them
   may run, the one measured fastest for the shape, rows and fusion (`decode_route`). A decode call
   may fuse the layer's prologue (RMSNorm, or silu(gate) * up) and a residual into the kernel.
+  A plain bf16 2:4 product of 8-16 rows goes to the sparse tensor cores with x repacked in their
+  fragment order (`takes_fragments`), a repack written outside the opaque op so that Inductor
+  can fuse it into the kernel producing x.
 - CUDA, more rows (a prefill): the weight expanded to dense by a Triton kernel, then cuBLAS.
 - CPU otherwise: pure PyTorch (unpack + F.linear).
 The CUDA path is a `torch.library.custom_op`, so torch.compile(fullgraph=True) keeps it as one
@@ -49,6 +52,9 @@ class RouteTable:
     pack_x_from_rows: from this many bf16 rows the SpMV shuffles x two rows to a register (bf16
         pairs): half the shuffles at two extra instructions a pair, a gain once the shuffles
         dominate.
+    fragments_from_rows: from this many rows a plain bf16 2:4 matmul goes, unraced, to the sparse
+        tensor cores with x in fragment order (mma_sp.fragment_order): they won the race on every
+        measured layer shape at these rows, and the repacked x's loads made them faster still.
     """
     spmm_from_rows_2of4: int = 8
     spmm_from_rows: int = 9
@@ -56,6 +62,7 @@ class RouteTable:
     prologue_apart_from_rows: int = 4
     residual_apart_from_rows: int = 8
     pack_x_from_rows: int = 4
+    fragments_from_rows: int = 8
 
 
 ROUTES = RouteTable()
@@ -141,6 +148,24 @@ def can_time_in_cuda_graph(x: Tensor) -> bool:
     return x.is_cuda
 
 
+@torch.library.custom_op("sparse_decoding::mma_sp_fragments", mutates_args=())
+def _mma_sp_fragments(x_fragments: Tensor, values: Tensor, mask: Tensor, rows: int) -> Tensor:
+    return mma_sp.spmv_2of4_fragments(x_fragments, values, mask, rows)
+
+
+@_mma_sp_fragments.register_fake
+def _(x_fragments: Tensor, values: Tensor, mask: Tensor, rows: int) -> Tensor:
+    return x_fragments.new_empty(rows, mask.shape[1])
+
+
+def takes_fragments(x: Tensor, values: Tensor, two_of_four: bool) -> bool:
+    """Whether a plain matmul of x (rows: all dimensions but the last) goes to the sparse tensor
+    cores with x in fragment order (ROUTES.fragments_from_rows), wherever the kernels run."""
+    rows = x.numel() // x.shape[-1]
+    return (not _without_kernels(x) and tensor_cores_take(x, values, two_of_four)
+            and rows >= ROUTES.fragments_from_rows)
+
+
 @_bitmask_matmul.register_fake
 def _(x: Tensor, values: Tensor, mask: Tensor, norm_weight: Optional[Tensor] = None, norm_eps: float = 0.0,
       residual: Optional[Tensor] = None, gated: bool = False, two_of_four: bool = False) -> Tensor:
@@ -172,6 +197,10 @@ def sparse_matmul(x: Tensor, values: Tensor, mask: Tensor, norm_weight: Tensor =
             raise ValueError("sparse_matmul: the fused prologue/epilogue needs the Triton kernels (CUDA, or "
                              "TRITON_INTERPRET=1)")
         return F.linear(x, unpack(values, mask).to(x.dtype))
+    if not fused and takes_fragments(x, values, two_of_four):
+        rows = _as_rows(x)
+        y = _mma_sp_fragments(mma_sp.fragment_order(rows), values, mask, rows.shape[0])
+        return y.reshape(*x.shape[:-1], mask.shape[1])
     if x.is_cuda and not torch.compiler.is_compiling():
         common.reserve_workspace(x.device, mask.shape[1])  # eager calls (e.g. the prefill) run first
     y = _bitmask_matmul(_as_rows(x), values, mask, norm_weight, norm_eps,

@@ -140,15 +140,17 @@ def spmm_kernel(two_of_four: bool, block_out: int = 128, words: int = 2, num_war
 
 
 def mma_sp_kernel(batch: int, slices: int = 4, unroll: int = 2, tiles: int = 1, ahead: int = 1, norm: bool = False,
-                  gated: bool = False) -> dict:
+                  gated: bool = False, x_fragments: bool = False) -> dict:
     """The sparse tensor cores' kernel for sm_90a (bf16 x of `batch` rows): registers, spills, the
     word loop's instructions per word and per kept weight (16 rows x 16 kept values a tile), the
     loads a word, the barriers, and how many words after its load each streamed weight load
-    (LDG...STRONG.GPU) is first read (`words_to_first_use`: min and max)."""
+    (LDG...STRONG.GPU) is first read (`words_to_first_use`: min and max). x_fragments: x given in
+    `mma_sp.fragment_order`."""
     pointers = dict(x_ptr="*bf16", values_ptr="*bf16", mask_ptr="*i32", y_ptr="*bf16", residual_ptr="*bf16",
                     norm_ptr="*bf16")
     constants = dict(SLICES=slices, M_TILES=tiles, N_BLOCKS=triton.cdiv(batch, 8), EVEN_K=True, UNROLL=unroll,
-                     PREFETCH=ahead, NORM=norm, GATED=gated, RESIDUAL=False, INTERPRETER_SAFE=False)
+                     PREFETCH=ahead, NORM=norm, GATED=gated, RESIDUAL=False, INTERPRETER_SAFE=False,
+                     X_FRAG=x_fragments)
     sass, registers, spill_bytes, shared = compile_for_sm90a(mma_sp.mma_sp_kernel, {**pointers, "norm_eps": "fp32"},
                                                              constants, slices,
                                                              divisible_by_16=[*pointers, "n_rows", "n_words"])

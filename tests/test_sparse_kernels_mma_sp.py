@@ -76,6 +76,42 @@ def test_product_matches_float64(batch, out_features, configs):
         assert relative_error(y, residual.double() + x.double() @ reference_weight.T) < 1e-2
 
 
+def fragment_order_reference(x: torch.Tensor) -> torch.Tensor:
+    """x's B fragments by index: word w, x row r, thread t's register j (the word's bf16 pair
+    4(t // 2) + t % 2 + (0, 8, 2, 10)[j], as `_word_pointers` derives from the ISA) at pair 4t + j;
+    rows up to the next multiple of 8 zero."""
+    rows, width = x.shape
+    pairs = x.view(rows, width // 32, 16, 2)
+    out = torch.zeros(width // 32, 8 * -(-rows // 8), 16, 2, dtype=x.dtype)
+    for t in range(4):
+        for j in range(4):
+            out[:, :rows, 4 * t + j] = pairs[:, :, 4 * (t // 2) + t % 2 + (0, 8, 2, 10)[j]].transpose(0, 1)
+    return out.view(width // 32, -1, 32)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 8, 12, 16])
+def test_fragment_order_matches_the_fragments_by_index(rows):
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+    assert torch.equal(mma_sp.fragment_order(x), fragment_order_reference(x))
+
+
+# x in fragment order at the rows where a decode step gives it (8-16): one full block, a partial
+# second block, two full; K split over warps (with the last word past the end at 12 rows), two tiles.
+@interpreted
+@pytest.mark.parametrize("rows,out_features,configs", [
+    (8, 40, [(4, 1, 4, 2, 1)]), (12, 40, [(2, 2, 2, 1, 2)]), (16, 40, [(1, 3, 2, 2, 2)])])
+def test_product_of_x_in_fragment_order_equals_the_row_major_product(rows, out_features, configs):
+    # The same instructions on the same fragments, so the same bits as spmv_2of4; and float64 close.
+    seed = case_seed("mma_sp fragments", rows)
+    values, mask = random_packed(out_features, 96, "2:4", seed, dtype=torch.bfloat16)
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+    expected = x.double() @ unpack(values, mask).double().T
+    for config in configs:
+        y = mma_sp.spmv_2of4_fragments(mma_sp.fragment_order(x), values, mask, rows, config=config)
+        assert torch.equal(y, mma_sp.spmv_2of4(x, values, mask, config=config)), config
+        assert relative_error(y, expected) < 1e-2, config
+
+
 def test_candidates_have_no_more_tiles_than_the_weight_fills():
     # A program's tiles are one block of rows, so a 40-row weight takes one or two tiles, 16 rows one.
     assert {c[3] for c in mma_sp.candidate_configs(40, 3, 16)} == {1, 2}
@@ -169,6 +205,13 @@ def test_bad_operands_are_one_clear_error():
     values48 = values48[:, :, :4].contiguous()  # a 1:4-like buffer shape: not 16 kept values a word
     with pytest.raises(ValueError, match="2:4 weight"):
         mma_sp.spmv_2of4(x, values48, mask48)
+    fragments = mma_sp.fragment_order(torch.zeros(8, 64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="not 12 rows"):
+        mma_sp.spmv_2of4_fragments(fragments, values, mask, 12)  # 12 rows are two blocks of 8
+    with pytest.raises(ValueError, match="bf16"):
+        mma_sp.spmv_2of4_fragments(fragments.float(), values, mask, 8)
+    with pytest.raises(ValueError, match="2:4 weight of at least 16 rows"):
+        mma_sp.spmv_2of4_fragments(fragments, values8, mask8, 8)
 
 
 @pytest.mark.gpu
@@ -234,6 +277,19 @@ def test_sparse_tensor_core_product_machine_code():
     # base pointer a thread (with a pointer a row and tile, 249).
     report = sass.mma_sp_kernel(16, slices=8, unroll=2, tiles=3, ahead=2)
     assert report["spill_bytes"] == 0 and report["loads_per_word"] == 20 and report["per_kept_weight"] < 7.0
+    assert report["words_to_first_use"][0] >= 1.5 and report["registers"] <= 168
+
+
+@machine_code
+def test_x_in_fragment_order_is_one_load_a_block():
+    # One 16-byte load a block of 8 x rows instead of four 4-byte ones: at 16 rows 6 loads a word
+    # (12 row-major), with three tiles 14 (20); at 8 rows and two tiles 9 (12). No spills, fewer
+    # instructions a kept weight, and the weights' loads still well ahead of their use.
+    for args, loads in ((dict(batch=16, slices=4, unroll=4), 6), (dict(batch=8, slices=4, unroll=4, tiles=2), 9),
+                        (dict(batch=16, slices=8, unroll=2, tiles=3, ahead=2), 14)):
+        report = sass.mma_sp_kernel(x_fragments=True, **args)
+        assert report["spill_bytes"] == 0 and report["loads_per_word"] == loads, args
+        assert report["per_kept_weight"] < sass.mma_sp_kernel(**args)["per_kept_weight"], args
     assert report["words_to_first_use"][0] >= 1.5 and report["registers"] <= 168
 
 

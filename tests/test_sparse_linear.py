@@ -288,6 +288,25 @@ def test_sparse_linear_dispatch_to_spmm(monkeypatch):
         assert calls == {"8:16": [False], "2:4": [True] * 2}[pattern]
 
 
+@interpreted
+def test_plain_bf16_2of4_products_from_8_rows_take_x_in_fragment_order(monkeypatch):
+    # ROUTES.fragments_from_rows: a plain bf16 2:4 product of 8-16 rows goes to the sparse tensor
+    # cores with x repacked (mma_sp.fragment_order); fewer rows, a residual to add, or fp32 do not.
+    rows_given = []
+    monkeypatch.setattr(mma_sp, "spmv_2of4_fragments", lambda *args, _run=mma_sp.spmv_2of4_fragments, **kwargs:
+                        rows_given.append(args[3]) or _run(*args, **kwargs))
+    layer = SparseLinear.from_dense(torch.randn(40, 96).to(torch.bfloat16), "2:4")
+    dense = unpack(layer.values, layer.mask).double()
+    for rows in [4, 12]:
+        x = torch.randn(1, rows, 96).to(torch.bfloat16)
+        assert relative_error(layer(x), x.double() @ dense.T) < 1e-2
+    residual = torch.randn(12, 40).to(torch.bfloat16)
+    y = sparse_matmul(x[0], layer.values, layer.mask, residual=residual, two_of_four=True)
+    assert relative_error(y, residual.double() + x[0].double() @ dense.T) < 1e-2
+    assert relative_error(layer.float()(x.float()), x.double() @ dense.T) < 1e-5
+    assert rows_given == [12]
+
+
 # ---------------------------------------------------------------- GPU
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

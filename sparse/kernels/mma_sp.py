@@ -33,6 +33,14 @@ kernel runs with `_mma_sp_emulated`, which computes each thread's D from the oth
 fragments by this layout (gathers across the warp), so the CPU tests check the fragments, the
 permutation, the metadata and everything around them; the GPU tests check that the hardware
 reads the fragments the same way.
+
+x in fragment order (X_FRAG, `spmv_2of4_fragments`, 8-16 rows): read row-major, a thread's four B
+registers are four 4-byte loads a block of 8 x rows, each warp-wide load touching 8 rows' lines;
+at 16 rows 8 loads a word against a tile's 4 weight loads. Given x repacked word-major, each
+word's pairs permuted so that thread t's four are consecutive (`fragment_order`, a reshape and a
+permute that Inductor can fuse into the kernel producing x), a block is one 16-byte load of 512
+contiguous bytes a warp. Prologues and the residual stay on the row-major path (they run apart
+from the product at these rows anyway).
 """
 import torch
 import triton
@@ -166,12 +174,13 @@ def _mma_sp(a, b, c, e, INTERPRETER_SAFE: tl.constexpr):
 
 @triton.jit
 def _word_pointers(values_u32, mask_u32, x_u32, norm_u32, k, row, t, x_rows, n_rows, n_words, x_stride_u32,
-                   N_BLOCKS: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr):
+                   N_BLOCKS: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr, X_FRAG: tl.constexpr):
     """Where the thread's loads of word k start: ((its values in `row`, row g of the program's first
     tile, and its mask word there: the rows g and g + 8 of every tile are constant offsets from
     these, so one 64-bit register each addresses them all), (x's sources: x at B register 0 of each
     block of 8 x rows; with GATED those are the gate's columns and the up half's follow, block by
-    block; with NORM the norm weight at the same columns last)).
+    block; with NORM the norm weight at the same columns last; with X_FRAG x in `fragment_order`,
+    where thread t's four pairs of a block are the consecutive uint32 4t..4t+3)).
 
     The instruction's K order is a permutation of the word's columns, chosen so that a thread's A
     registers are four consecutive kept values of a row (one 8-byte load a row instead of two
@@ -184,18 +193,22 @@ def _word_pointers(values_u32, mask_u32, x_u32, norm_u32, k, row, t, x_rows, n_r
     first = ((2 * k + t // 2) * n_rows) * 4 + 2 * (t % 2)
     weights = (values_u32 + first + row * 4, mask_u32 + k * n_rows + row)
     x_pointers = ()
-    for source in tl.static_range(N_BLOCKS * (1 + GATED) + NORM):
-        if source < N_BLOCKS * (1 + GATED):  # a block of x rows (with GATED, the up half: n_words * 16 uint32 on)
-            row = x_u32 + x_rows[source % N_BLOCKS] * x_stride_u32 + (source // N_BLOCKS) * n_words * 16
-        else:
-            row = norm_u32
-        x_pointers = x_pointers + (row + k * 16 + 4 * (t // 2) + t % 2, )
+    if X_FRAG:  # x repacked word-major in fragment order: [word][8 N_BLOCKS rows][16 uint32]
+        for source in tl.static_range(N_BLOCKS):
+            x_pointers = x_pointers + (x_u32 + (k * 8 * N_BLOCKS + x_rows[source]) * 16 + 4 * t, )
+    else:
+        for source in tl.static_range(N_BLOCKS * (1 + GATED) + NORM):
+            if source < N_BLOCKS * (1 + GATED):  # a block of x rows (with GATED, the up half)
+                start = x_u32 + x_rows[source % N_BLOCKS] * x_stride_u32 + (source // N_BLOCKS) * n_words * 16
+            else:
+                start = norm_u32
+            x_pointers = x_pointers + (start + k * 16 + 4 * (t // 2) + t % 2, )
     return weights, x_pointers
 
 
 @triton.jit
 def _load_word(pointers, valid, M_TILES: tl.constexpr, SOURCES: tl.constexpr, EVEN_K: tl.constexpr,
-               INTERPRETER_SAFE: tl.constexpr):
+               INTERPRETER_SAFE: tl.constexpr, X_FRAG: tl.constexpr):
     """The fragments at `pointers` (`_word_pointers`): (a of each tile, its two mask words of rows g
     and g + 8 as loaded, four bf16 pairs of each of x's SOURCES). The mask words become metadata,
     and the sources b, only when the word is multiplied (`_multiply`), so that a load a few words
@@ -211,22 +224,33 @@ def _load_word(pointers, valid, M_TILES: tl.constexpr, SOURCES: tl.constexpr, EV
         masks = masks + (load_u32(weights[1] + 16 * m, 1, INTERPRETER_SAFE)[0],
                          load_u32(weights[1] + 16 * m + 8, 1, INTERPRETER_SAFE)[0])
     b = ()
-    for source in tl.static_range(SOURCES):
-        for j in tl.static_range(4):
-            pair = _load_x_pair(x_pointers[source] + 8 * (j % 2) + 2 * (j // 2), INTERPRETER_SAFE)
-            b = b + (pair if EVEN_K else tl.where(valid, pair, 0), )
+    if X_FRAG:
+        for source in tl.static_range(SOURCES):
+            if INTERPRETER_SAFE:
+                quad = load_u32(x_pointers[source], 4, INTERPRETER_SAFE)
+            else:  # cached in L1 (.ca) as `_load_x_pair`: every program reads the same x
+                quad = tl.inline_asm_elementwise("ld.global.ca.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l",
+                                                 [x_pointers[source]], dtype=(tl.uint32, tl.uint32, tl.uint32,
+                                                                              tl.uint32), is_pure=True, pack=1)
+            for j in tl.static_range(4):
+                b = b + (quad[j] if EVEN_K else tl.where(valid, quad[j], 0), )
+    else:
+        for source in tl.static_range(SOURCES):
+            for j in tl.static_range(4):
+                pair = _load_x_pair(x_pointers[source] + 8 * (j % 2) + 2 * (j // 2), INTERPRETER_SAFE)
+                b = b + (pair if EVEN_K else tl.where(valid, pair, 0), )
     return a, masks, b
 
 
 @triton.jit
-def _advance(pointers, n_rows, SOURCES: tl.constexpr):
+def _advance(pointers, n_rows, SOURCES: tl.constexpr, X_STEP: tl.constexpr):
     """`_word_pointers` of the next word."""
     weights, x_pointers = pointers
     step = 8 * n_rows  # uint32 of values a word: two chunks of 4 per row
     next_weights = (weights[0] + step, weights[1] + n_rows)
     next_x = ()
     for source in tl.static_range(SOURCES):
-        next_x = next_x + (x_pointers[source] + 16, )
+        next_x = next_x + (x_pointers[source] + X_STEP, )
     return next_weights, next_x
 
 
@@ -305,14 +329,14 @@ def _multiply(acc, squares, word, t, M_TILES: tl.constexpr, N_BLOCKS: tl.constex
 @triton.jit
 def _next_pointers(pointers, values_u32, mask_u32, x_u32, norm_u32, k, row, t, x_rows, n_rows, n_words,
                    x_stride_u32, N_BLOCKS: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr,
-                   EVEN_K: tl.constexpr):
+                   EVEN_K: tl.constexpr, X_FRAG: tl.constexpr):
     """`_word_pointers` of word k, the word after `pointers`': with EVEN_K a constant step, otherwise
     found again, clamped to the last word (the words past the end are read there, x zeroed)."""
     if EVEN_K:
-        pointers = _advance(pointers, n_rows, N_BLOCKS * (1 + GATED) + NORM)
+        pointers = _advance(pointers, n_rows, N_BLOCKS * (1 + GATED) + NORM, 128 * N_BLOCKS if X_FRAG else 16)
     else:
         pointers = _word_pointers(values_u32, mask_u32, x_u32, norm_u32, tl.minimum(k, n_words - 1), row, t, x_rows,
-                                  n_rows, n_words, x_stride_u32, N_BLOCKS, NORM, GATED)
+                                  n_rows, n_words, x_stride_u32, N_BLOCKS, NORM, GATED, X_FRAG)
     return pointers
 
 
@@ -334,11 +358,12 @@ def _summed_over_slices(parts, SLICES: tl.constexpr):
 def mma_sp_kernel(x_ptr, values_ptr, mask_ptr, y_ptr, residual_ptr, norm_ptr, n_rows, n_words, words_per_warp,
                   batch_rows, x_stride, norm_eps, SLICES: tl.constexpr, M_TILES: tl.constexpr,
                   N_BLOCKS: tl.constexpr, EVEN_K: tl.constexpr, UNROLL: tl.constexpr, PREFETCH: tl.constexpr,
-                  NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr, INTERPRETER_SAFE: tl.constexpr):
+                  NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr, INTERPRETER_SAFE: tl.constexpr,
+                  X_FRAG: tl.constexpr):
     """y[:batch_rows, M_TILES 16-row tiles] of this program (+ the residual's, with RESIDUAL; of
-    RMSNorm(x) * the norm weight, with NORM; of silu(gate) * up for x = [gate | up], with GATED);
-    SLICES warps, warp s walking words_per_warp words from s · words_per_warp for every tile (x's
-    loads shared by the tiles), summed through shared memory."""
+    RMSNorm(x) * the norm weight, with NORM; of silu(gate) * up for x = [gate | up], with GATED;
+    x in `fragment_order`, with X_FRAG); SLICES warps, warp s walking words_per_warp words from
+    s · words_per_warp for every tile (x's loads shared by the tiles), summed through shared memory."""
     THREADS: tl.constexpr = 32 * SLICES
     thread = tl.arange(0, THREADS)
     lane = thread % 32
@@ -358,7 +383,7 @@ def mma_sp_kernel(x_ptr, values_ptr, mask_ptr, y_ptr, residual_ptr, norm_ptr, n_
     norm_u32 = norm_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
     x_rows = ()  # the x row each thread's B fragment reads in each block of 8 (past the batch: the last)
     for block in tl.static_range(N_BLOCKS):
-        x_rows = x_rows + (tl.minimum(block * 8 + g, batch_rows - 1), )
+        x_rows = x_rows + (block * 8 + g if X_FRAG else tl.minimum(block * 8 + g, batch_rows - 1), )
     acc = ()
     for i in tl.static_range(4 * M_TILES * N_BLOCKS):
         acc = acc + (tl.zeros([THREADS], dtype=tl.float32), )
@@ -373,16 +398,17 @@ def mma_sp_kernel(x_ptr, values_ptr, mask_ptr, y_ptr, residual_ptr, norm_ptr, n_
     SOURCES: tl.constexpr = N_BLOCKS * (1 + GATED) + NORM
     pointers = _word_pointers(values_u32, mask_u32, x_u32, norm_u32,
                               k_first if EVEN_K else tl.minimum(k_first, n_words - 1), row_g, t, x_rows, n_rows,
-                              n_words, x_stride_u32, N_BLOCKS, NORM, GATED)
+                              n_words, x_stride_u32, N_BLOCKS, NORM, GATED, X_FRAG)
     ahead = ()
     for d in tl.static_range(PREFETCH):
-        ahead = ahead + (_load_word(pointers, k_first + d < n_words, M_TILES, SOURCES, EVEN_K, INTERPRETER_SAFE), )
+        ahead = ahead + (_load_word(pointers, k_first + d < n_words, M_TILES, SOURCES, EVEN_K, INTERPRETER_SAFE,
+                                    X_FRAG), )
         pointers = _next_pointers(pointers, values_u32, mask_u32, x_u32, norm_u32, k_first + d + 1, row_g, t, x_rows,
-                                  n_rows, n_words, x_stride_u32, N_BLOCKS, NORM, GATED, EVEN_K)
+                                  n_rows, n_words, x_stride_u32, N_BLOCKS, NORM, GATED, EVEN_K, X_FRAG)
     for i in tl.range(PREFETCH, words_per_warp, loop_unroll_factor=UNROLL):
-        fresh = _load_word(pointers, k_first + i < n_words, M_TILES, SOURCES, EVEN_K, INTERPRETER_SAFE)
+        fresh = _load_word(pointers, k_first + i < n_words, M_TILES, SOURCES, EVEN_K, INTERPRETER_SAFE, X_FRAG)
         pointers = _next_pointers(pointers, values_u32, mask_u32, x_u32, norm_u32, k_first + i + 1, row_g, t, x_rows,
-                                  n_rows, n_words, x_stride_u32, N_BLOCKS, NORM, GATED, EVEN_K)
+                                  n_rows, n_words, x_stride_u32, N_BLOCKS, NORM, GATED, EVEN_K, X_FRAG)
         acc, squares = _multiply(acc, squares, ahead[0], t, M_TILES, N_BLOCKS, NORM, GATED, INTERPRETER_SAFE)
         ahead = ahead[1:] + (fresh, )
     for d in tl.static_range(PREFETCH):
@@ -482,8 +508,10 @@ def spmv_2of4(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, config=
 
 
 def _launch(x, values, mask, y, config, residual=None, norm_weight=None, norm_eps=0.0, gated=False,
-            compile_only=False):
-    (batch, x_width), (n_words, n_rows) = x.shape, mask.shape
+            compile_only=False, fragment_rows=None):
+    """The kernel on x (batch, width), or with fragment_rows on that many rows of x in `fragment_order`."""
+    n_words, n_rows = mask.shape
+    batch, x_width = x.shape if fragment_rows is None else (fragment_rows, n_words * 32)
     slices, words_per_warp, unroll, tiles, ahead = config
     if TILE_ROWS * tiles > n_rows:
         raise ValueError(f"spmv_2of4: config {config} has {tiles} 16-row tiles a program, more than the weight's "
@@ -497,7 +525,47 @@ def _launch(x, values, mask, y, config, residual=None, norm_weight=None, norm_ep
         n_words, words_per_warp, batch, x_width, norm_eps, SLICES=slices, M_TILES=tiles,
         N_BLOCKS=triton.cdiv(batch, 8), EVEN_K=n_words == slices * words_per_warp, UNROLL=unroll, PREFETCH=ahead,
         NORM=norm_weight is not None, GATED=gated, RESIDUAL=residual is not None,
-        INTERPRETER_SAFE=INTERPRETING, num_warps=slices, grid=(programs, ), warmup=compile_only)
+        INTERPRETER_SAFE=INTERPRETING, X_FRAG=fragment_rows is not None, num_warps=slices, grid=(programs, ),
+        warmup=compile_only)
+
+
+def fragment_order(x: torch.Tensor) -> torch.Tensor:
+    """x (rows <= 16, in) -> (in / 32, 8 ceil(rows / 8), 32): word-major, rows padded with zeros to
+    whole blocks of 8, each word's 16 bf16 pairs reordered so thread t's four B registers are
+    consecutive (one 16-byte load a block). Reshapes and a permute only, so that Inductor can fuse
+    it into the kernel that produces x."""
+    rows, width = x.shape
+    padded = 8 * triton.cdiv(rows, 8)
+    if padded > rows:
+        x = torch.nn.functional.pad(x, (0, 0, 0, padded - rows))
+    # a word's uint32 u = 8 j0 + 4 t1 + 2 j1 + t0 goes to 4 t + j = 8 t1 + 4 t0 + 2 j1 + j0
+    return x.view(padded, width // 32, 2, 2, 2, 2, 2).permute(1, 0, 3, 5, 4, 2, 6).reshape(width // 32, padded, 32)
+
+
+def spmv_2of4_fragments(x_fragments: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, rows: int,
+                        config=None) -> torch.Tensor:
+    """y = x @ W.T as `spmv_2of4` (no prologue, no residual) for the `rows` rows of x given as
+    `fragment_order(x)`; config as there, tuned separately from the row-major x's."""
+    n_words, n_rows = mask.shape
+    if x_fragments.dtype != torch.bfloat16 or values.dtype != torch.bfloat16:
+        raise ValueError(f"spmv_2of4_fragments takes bf16 x and values, got {x_fragments.dtype} and {values.dtype}")
+    if not 1 <= rows <= MAX_ROWS or tuple(x_fragments.shape) != (n_words, 8 * triton.cdiv(rows, 8), 32):
+        raise ValueError(f"spmv_2of4_fragments: x {tuple(x_fragments.shape)} is not {rows} rows (1 to {MAX_ROWS}) "
+                         f"in fragment order for a packed weight with in_features={n_words * 32}")
+    if n_rows < TILE_ROWS or tuple(values.shape) != (2 * n_words, n_rows, 8):
+        raise ValueError(f"spmv_2of4_fragments needs a 2:4 weight of at least {TILE_ROWS} rows: values "
+                         f"{tuple(values.shape)}")
+    if not all(t.is_contiguous() for t in (x_fragments, values, mask)):
+        raise ValueError("spmv_2of4_fragments needs contiguous operands")
+    y = torch.empty(rows, n_rows, dtype=x_fragments.dtype, device=x_fragments.device)
+    if config is None:
+        configs = candidate_configs(n_rows, n_words, rows)
+        key = (tuple(mask.shape), rows, "fragments", x_fragments.device.index)  # as `_key` of the row-major x
+        config = tuned_config(tuned_configs, key, configs, x_fragments, values, mask,
+                              lambda c, v, m: _launch(x_fragments, v, m, y, c, fragment_rows=rows),
+                              lambda c: _launch(x_fragments, values, mask, y, c, compile_only=True, fragment_rows=rows))
+    _launch(x_fragments, values, mask, y, config, fragment_rows=rows)
+    return y
 
 
 def _key(x, mask, prologue=""):
@@ -506,7 +574,7 @@ def _key(x, mask, prologue=""):
 
 def spmv_2of4_config(x: torch.Tensor, mask: torch.Tensor, prologue: str = ""):
     """The config spmv_2of4 tuned for this shape and batch, with no prologue, "norm" or "gated"
-    (None before its first call)."""
+    (None before its first call); "fragments": spmv_2of4_fragments' for this x."""
     return tuned_configs.get(_key(x, mask, prologue))
 
 
