@@ -487,12 +487,9 @@ def spmv_2of4(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, config=
     if x_width != n_words * 32 * (1 + gated) or not 1 <= batch <= MAX_ROWS:
         raise ValueError(f"spmv_2of4: x {tuple(x.shape)} does not fit a packed weight with in_features="
                          f"{n_words * 32}{' (gated: twice that)' if gated else ''} (1 to {MAX_ROWS} rows)")
-    if n_rows < TILE_ROWS:
-        raise ValueError(f"spmv_2of4 needs a weight of at least {TILE_ROWS} rows (one tile), got {n_rows}")
+    _check_weight("spmv_2of4", values, mask)
     if gated and norm_weight is not None:
         raise ValueError("spmv_2of4 takes one prologue: the norm or gated, not both")
-    if tuple(values.shape) != (2 * n_words, n_rows, 8):
-        raise ValueError(f"spmv_2of4 needs a 2:4 weight (16 kept values a word): values {tuple(values.shape)}")
     if residual is not None and tuple(residual.shape) != (batch, n_rows):
         raise ValueError(f"spmv_2of4: residual {tuple(residual.shape)} does not match the output ({batch}, {n_rows})")
     if norm_weight is not None and (tuple(norm_weight.shape) != (in_features, ) or norm_weight.dtype != torch.bfloat16):
@@ -505,6 +502,15 @@ def spmv_2of4(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, config=
     _launch(x, values, mask, y, config or spmv_2of4_tuned(x, values, mask, norm_weight, norm_eps, gated), residual,
             norm_weight, norm_eps, gated, compile_only)
     return y
+
+
+def _check_weight(caller: str, values: torch.Tensor, mask: torch.Tensor):
+    """The packed weight's checks both entry points share: one tile of rows, 16 kept values a word."""
+    n_words, n_rows = mask.shape
+    if n_rows < TILE_ROWS:
+        raise ValueError(f"{caller} needs a 2:4 weight of at least {TILE_ROWS} rows (one tile), got {n_rows}")
+    if tuple(values.shape) != (2 * n_words, n_rows, 8):
+        raise ValueError(f"{caller} needs a 2:4 weight (16 kept values a word): values {tuple(values.shape)}")
 
 
 def _launch(x, values, mask, y, config, residual=None, norm_weight=None, norm_eps=0.0, gated=False,
@@ -552,15 +558,13 @@ def spmv_2of4_fragments(x_fragments: torch.Tensor, values: torch.Tensor, mask: t
     if not 1 <= rows <= MAX_ROWS or tuple(x_fragments.shape) != (n_words, 8 * triton.cdiv(rows, 8), 32):
         raise ValueError(f"spmv_2of4_fragments: x {tuple(x_fragments.shape)} is not {rows} rows (1 to {MAX_ROWS}) "
                          f"in fragment order for a packed weight with in_features={n_words * 32}")
-    if n_rows < TILE_ROWS or tuple(values.shape) != (2 * n_words, n_rows, 8):
-        raise ValueError(f"spmv_2of4_fragments needs a 2:4 weight of at least {TILE_ROWS} rows: values "
-                         f"{tuple(values.shape)}")
+    _check_weight("spmv_2of4_fragments", values, mask)
     if not all(t.is_contiguous() for t in (x_fragments, values, mask)):
         raise ValueError("spmv_2of4_fragments needs contiguous operands")
     y = torch.empty(rows, n_rows, dtype=x_fragments.dtype, device=x_fragments.device)
     if config is None:
         configs = candidate_configs(n_rows, n_words, rows)
-        key = (tuple(mask.shape), rows, "fragments", x_fragments.device.index)  # as `_key` of the row-major x
+        key = _key(rows, mask, x_fragments.device, "fragments")
         config = tuned_config(tuned_configs, key, configs, x_fragments, values, mask,
                               lambda c, v, m: _launch(x_fragments, v, m, y, c, fragment_rows=rows),
                               lambda c: _launch(x_fragments, values, mask, y, c, compile_only=True, fragment_rows=rows))
@@ -568,21 +572,21 @@ def spmv_2of4_fragments(x_fragments: torch.Tensor, values: torch.Tensor, mask: t
     return y
 
 
-def _key(x, mask, prologue=""):
-    return tuple(mask.shape), x.shape[0], prologue, x.device.index
+def _key(rows, mask, device, prologue=""):
+    return tuple(mask.shape), rows, prologue, device.index
 
 
 def spmv_2of4_config(x: torch.Tensor, mask: torch.Tensor, prologue: str = ""):
     """The config spmv_2of4 tuned for this shape and batch, with no prologue, "norm" or "gated"
     (None before its first call); "fragments": spmv_2of4_fragments' for this x."""
-    return tuned_configs.get(_key(x, mask, prologue))
+    return tuned_configs.get(_key(x.shape[0], mask, x.device, prologue))
 
 
 def spmv_2of4_tuned(x: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, norm_weight: torch.Tensor = None,
                     norm_eps: float = 0.0, gated: bool = False):
     """The fastest of `candidate_configs` for this shape and batch (and its prologue, if any), timed
     once as a compiled decode step runs it (sparse/kernels/tuning.py); on CPU the first."""
-    key = _key(x, mask, "norm" if norm_weight is not None else "gated" if gated else "")
+    key = _key(x.shape[0], mask, x.device, "norm" if norm_weight is not None else "gated" if gated else "")
     y = torch.empty(x.shape[0], mask.shape[1], dtype=x.dtype, device=x.device)
     options = dict(norm_weight=norm_weight, norm_eps=norm_eps, gated=gated)
     configs = candidate_configs(mask.shape[1], mask.shape[0], x.shape[0])
